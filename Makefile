@@ -15,8 +15,12 @@ $(BIN)/.installed: pyproject.toml
 
 venv: $(BIN)/.installed
 
+# The main job: the doctor's table (a failed check does not stop the demo, it is the point
+# of showing it), training on every device, then a short scaling benchmark with its report.
 demo: venv
+	-$(BIN)/tfscale doctor
 	$(BIN)/tfscale demo
+	$(BIN)/tfscale bench --model cnn --replicas 1,2 --steps 10 --trace-steps 2 --out tfscale-bench
 
 lint: venv
 	$(BIN)/ruff check src tests benchmarks
@@ -30,6 +34,9 @@ test: lint unit
 
 bench: venv
 	$(BIN)/python benchmarks/fit_vs_keras.py
+	$(BIN)/python benchmarks/pipeline_overlap.py
+	$(BIN)/python benchmarks/taskpool_balance.py
+	$(BIN)/python benchmarks/taskpool_overhead.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache tfscale-bench

@@ -15,7 +15,13 @@ from typing import Any
 from tfscale.profiling import metrics
 from tfscale.profiling.advice import Advice, Facts, advise, fit_batch_cost
 from tfscale.profiling.collectives import DEFAULT_SIZES, benchmark_allreduce
-from tfscale.profiling.harness import MeasuredStep, Workload, resolve_workload, strategy_for
+from tfscale.profiling.harness import (
+    MeasuredStep,
+    Workload,
+    in_cluster,
+    resolve_workload,
+    strategy_for,
+)
 from tfscale.profiling.report import Report, write_report
 from tfscale.profiling.steptime import robust_means, time_interleaved
 from tfscale.profiling.sweep import (
@@ -45,6 +51,8 @@ def profile(
     jit_compile: bool = False,
     probes: bool = True,
     progress: bool = True,
+    workers: int = 1,
+    timeout_s: float = 900.0,
 ) -> Report:
     """Measures how a workload scales over replicas and says what to change.
 
@@ -67,6 +75,13 @@ def profile(
         probes: Measure the step at 2x batch and 2x accumulation (no all-reduce) at the
             largest replica count, for the advice's predictions (proportional without).
         progress: Show a progress bar.
+        workers: With 2 or more, measure across that many worker processes on this host
+            (``MultiWorkerMirroredStrategy`` over gRPC on 127.0.0.1, one replica per
+            worker, as on several machines) instead of over local devices; ``replicas``
+            and ``strong`` are then ignored. ``model`` must be importable by the workers
+            (``"mlp"``, ``"cnn"``, ``"module:function"`` or a module-level function) and
+            ``dataset_fn`` is not supported.
+        timeout_s: With ``workers``, seconds before the workers are stopped.
 
     Returns:
         The report (also written to ``out`` when given).
@@ -74,7 +89,34 @@ def profile(
     Raises:
         ProfileError: Devices cannot be set up, or the model cannot be measured.
     """
+    if workers > 1 and not in_cluster():
+        from tfscale.profiling.workers import profile_workers
+
+        return profile_workers(
+            model,
+            workers,
+            timeout_s=timeout_s,
+            out=out,
+            progress=progress,
+            settings={
+                "batch_per_replica": batch_per_replica,
+                "accumulation": list(accumulation),
+                "steps": steps,
+                "warmup": warmup,
+                "verify": verify,
+                "trace_steps": trace_steps,
+                "collectives": collectives,
+                "jit_compile": jit_compile,
+                "probes": probes,
+            },
+            dataset_fn=dataset_fn,
+        )
     counts = sorted(set(replicas))
+    if in_cluster():
+        # Every worker process measures the cluster's replicas together (one strategy per
+        # process, built before the runtime starts); there is one configuration to sweep.
+        counts = [int(strategy_for(()).num_replicas_in_sync)]
+        strong = False
     kind, physical = ensure_devices(counts[-1])
     workload = resolve_workload(model, dataset_fn)
     devices = devices_for(kind)
@@ -93,6 +135,10 @@ def profile(
             probes=probes,
             tick=tick,
         )
+        if in_cluster():
+            from tfscale.profiling.workers import agree_points
+
+            points = agree_points(points, strategy_for(()))
         results = []
         if collectives and counts[-1] > 1:
             tick("all-reduce bandwidth", 0)

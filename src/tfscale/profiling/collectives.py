@@ -80,7 +80,11 @@ def benchmark_allreduce(
     @tf.function
     def reduce(buffers: Any) -> Any:
         def replica(*values: Any) -> Any:
-            return tf.distribute.get_replica_context().all_reduce("sum", list(values))
+            # The identity places each buffer on the replica's device: under
+            # MultiWorkerMirroredStrategy an all-reduce of a function input that has no
+            # device fails with "destinations can not be empty".
+            placed = [tf.identity(value) for value in values]
+            return tf.distribute.get_replica_context().all_reduce("sum", placed)
 
         return strategy.run(replica, args=tuple(buffers))
 

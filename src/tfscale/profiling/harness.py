@@ -18,7 +18,7 @@ import numpy as np
 
 from tfscale.errors import ProfileError, explain
 
-__all__ = ["MeasuredStep", "Workload", "resolve_workload", "strategy_for"]
+__all__ = ["MeasuredStep", "Workload", "in_cluster", "resolve_workload", "strategy_for"]
 
 DatasetFn = Callable[[Any], Any]
 
@@ -106,11 +106,30 @@ def _import_builder(spec: str) -> Callable[[], Any]:
     return builder  # type: ignore[no-any-return]
 
 
+_CLUSTER_STRATEGY: list[Any] = []
+
+
+def in_cluster() -> bool:
+    """Whether this process is a worker of a cluster (``TF_CONFIG`` names one)."""
+    from tfscale.cluster import cluster_from_env
+
+    return cluster_from_env() is not None
+
+
 def strategy_for(devices: Sequence[str]) -> Any:
-    """The strategy ``tfscale.fit`` would use over ``devices`` (``choose_strategy``)."""
+    """The strategy ``tfscale.fit`` would use over ``devices`` (``choose_strategy``).
+
+    In a cluster every measurement uses the whole cluster's MultiWorkerMirroredStrategy,
+    built once per process (``devices`` is ignored): a second collective-based strategy in
+    one process would reuse the first one's collective keys (tensorflow/tensorflow#62790).
+    """
     from tfscale.strategy import choose_strategy
 
-    return choose_strategy(list(devices), memory_growth=False).strategy
+    if not in_cluster():
+        return choose_strategy(list(devices), memory_growth=False).strategy
+    if not _CLUSTER_STRATEGY:
+        _CLUSTER_STRATEGY.append(choose_strategy(strict=True, memory_growth=False).strategy)
+    return _CLUSTER_STRATEGY[0]
 
 
 TimedStep = Callable[[], tuple[float, float]]

@@ -100,6 +100,37 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines
 
 
+_SCALING_COLUMNS = (
+    "mode",
+    "replicas",
+    "batch/replica",
+    "accum.",
+    "examples/s",
+    "speedup",
+    "efficiency",
+    "input",
+    "compute",
+    "exposed comm.",
+)
+
+
+def _scaling_cells(p: SweepPoint) -> list[str]:
+    """One sweep point as the cells of :data:`_SCALING_COLUMNS` (Markdown and terminal)."""
+    shares = p.breakdown.shares
+    return [
+        p.mode,
+        str(p.replicas),
+        str(p.batch_per_replica),
+        str(p.accumulation),
+        f"{p.examples_per_s:.0f}",
+        f"{p.speedup:.2f}x",
+        _pct(p.efficiency),
+        _pct(shares["input"]),
+        _pct(shares["compute"]),
+        _pct(shares["communication"]),
+    ]
+
+
 def _pct(value: float) -> str:
     return f"{100 * value:.1f}%"
 
@@ -114,41 +145,14 @@ def to_markdown(report: Report) -> str:
     lines += ["", "## Scaling and step breakdown (wall-clock method)", ""]
     rows = []
     for p in report.points:
-        s = p.breakdown.shares
         trace = p.trace
-        rows.append(
-            [
-                p.mode,
-                str(p.replicas),
-                str(p.batch_per_replica),
-                str(p.accumulation),
-                f"{p.examples_per_s:.0f}",
-                f"{p.speedup:.2f}x",
-                _pct(p.efficiency),
-                f"{p.breakdown.step_s * 1e3:.2f}",
-                _pct(s["input"]),
-                _pct(s["compute"]),
-                _pct(s["communication"]),
-                (" / ".join(_pct(trace.get(c, 0.0)) for c in _TRACE_ORDER) if trace else "-"),
-            ]
-        )
-    lines += _table(
-        [
-            "mode",
-            "replicas",
-            "batch/replica",
-            "accum.",
-            "examples/s",
-            "speedup",
-            "efficiency",
-            "step ms",
-            "input",
-            "compute",
-            "exposed comm.",
-            "trace: input / compute / comm. / other",
-        ],
-        rows,
-    )
+        cells = _scaling_cells(p)
+        cells.insert(7, f"{p.breakdown.step_s * 1e3:.2f}")
+        cells.append(" / ".join(_pct(trace.get(c, 0.0)) for c in _TRACE_ORDER) if trace else "-")
+        rows.append(cells)
+    header = list(_SCALING_COLUMNS)
+    header.insert(7, "step ms")
+    lines += _table([*header, "trace: input / compute / comm. / other"], rows)
     if report.collectives:
         lines += ["", "## All-reduce bandwidth", ""]
         lines += _table(
@@ -305,7 +309,8 @@ def to_html(report: Report, images: dict[str, bytes] | None = None) -> str:
         "<!DOCTYPE html><html><head><meta charset='utf-8'>"
         f"<title>tfscale report: {html.escape(report.workload)}</title>"
         f"<style>{style}</style></head>"
-        f"<body>{figures}\n{_markdown_to_html(to_markdown(report))}</body></html>\n"
+        f"<body><h1>tfscale report: {html.escape(report.workload)}</h1>\n{figures}\n"
+        f"{_markdown_to_html(to_markdown(report).split(chr(10), 1)[1])}</body></html>\n"
     )
 
 
@@ -339,33 +344,10 @@ def print_summary(report: Report, directory: str | None = None) -> None:
     if not console.is_terminal:
         console = Console(width=120)
     table = Table(title=f"tfscale: {report.workload} on {report.device_kind}")
-    for column in (
-        "mode",
-        "replicas",
-        "batch/replica",
-        "accum.",
-        "examples/s",
-        "speedup",
-        "efficiency",
-        "input",
-        "compute",
-        "exposed comm.",
-    ):
+    for column in _SCALING_COLUMNS:
         table.add_column(column, justify="right")
     for p in report.points:
-        s = p.breakdown.shares
-        table.add_row(
-            p.mode,
-            str(p.replicas),
-            str(p.batch_per_replica),
-            str(p.accumulation),
-            f"{p.examples_per_s:.0f}",
-            f"{p.speedup:.2f}x",
-            _pct(p.efficiency),
-            _pct(s["input"]),
-            _pct(s["compute"]),
-            _pct(s["communication"]),
-        )
+        table.add_row(*_scaling_cells(p))
     console.print(table)
     for i, advice in enumerate(report.advice[:3], 1):
         console.print(f"[bold]{i}. {advice.key}[/bold] ({advice.severity}): {advice.text}")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from tfscale.errors import ProfileError, explain
 from tfscale.profiling import metrics
-from tfscale.profiling.harness import MeasuredStep, Workload
+from tfscale.profiling.harness import MeasuredStep, Workload, in_cluster
 from tfscale.profiling.steptime import Breakdown, breakdown, robust_means, time_interleaved
 from tfscale.profiling.timeline import capture_steps
 
@@ -83,6 +83,10 @@ def ensure_devices(count: int) -> tuple[str, int]:
     gpus = tf.config.list_physical_devices("GPU")
     kind = "GPU" if gpus else "CPU"
     physical = len(gpus) if gpus else (len(os.sched_getaffinity(0)) or 1)
+    if in_cluster():
+        # A cluster worker measures over the whole cluster (harness.strategy_for) with the
+        # devices it has; the replica count is the cluster's, not a local split.
+        return kind, physical
     target = (gpus or tf.config.list_physical_devices("CPU"))[0]
     # Read the configuration, not the device list: listing devices would start the runtime.
     configured = tf.config.get_logical_device_configuration(target)
@@ -101,29 +105,6 @@ def ensure_devices(count: int) -> tuple[str, int]:
                     "`tfscale bench`, which sets them itself.",
                 )
             ) from error
-    if len(devices_for(kind)) < count:
-        raise ProfileError(
-            explain(
-                f"Only {len(devices_for(kind))} {kind} devices exist; {count} replicas were asked.",
-                received=count,
-                allowed=f"replica counts up to {len(devices_for(kind))}",
-            )
-        )
-    return kind, physical
-    try:
-        if kind == "CPU" or len(gpus) == 1:
-            use_virtual_devices(count, kind)
-    except DeviceConfigError as error:
-        raise ProfileError(
-            explain(
-                f"The sweep needs {count} {kind} devices and this process's TensorFlow "
-                "runtime has already started with fewer.",
-                received=f"{len(devices_for(kind))} logical {kind} device(s)",
-                allowed=f"at least {count}",
-                fix=f"set TFSCALE_VIRTUAL_DEVICES={count} before starting Python, or run "
-                "`tfscale bench`, which sets them itself.",
-            )
-        ) from error
     if len(devices_for(kind)) < count:
         raise ProfileError(
             explain(
