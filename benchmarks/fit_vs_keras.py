@@ -139,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
                             values.append(_measure(runner, kind, strategy, spe, data, args.epochs))
                         except Exception as error:  # report it in the table, go on
                             failed[runner] = f"fails ({type(error).__name__})"
-                shown = {r: failed.get(r, f"{statistics.median(v):,.0f}") for r, v in rates.items()}
+                shown = {
+                    r: failed[r] if r in failed else f"{statistics.median(v):,.0f}"
+                    for r, v in rates.items()
+                }
                 ratio = "-"
                 if not failed:
                     pairs = zip(rates["tfscale"], rates["keras"], strict=True)
