@@ -1,19 +1,25 @@
 """Examples/s of tfscale.fit against Keras ``model.fit`` under the same strategy, same data.
 
 Configurations: MLP and small CNN, 1 device (OneDeviceStrategy) and 2 logical CPUs
-(MirroredStrategy), steps_per_execution 1 and 8. The process splits its CPU into 2 logical
-devices before TensorFlow starts and uses subsets. Each measurement trains one warm-up epoch
-(tracing), then times ``--epochs`` epochs; runs of the two loops alternate and the fastest
-epoch of ``--repeats`` runs is kept, so a noisy machine affects both sides alike. Prints a
-table of ratios.
+(MirroredStrategy), steps_per_execution 1 and 8. On 2 devices both loops run under the
+same all-reduce: MirroredStrategy's default one (under which Keras fit with
+steps_per_execution > 1 fails, keras-team/keras#19246; the row shows the failure) and
+``ReductionToOneDevice`` (what ``tfscale.choose_strategy`` picks for logical CPUs, under
+which Keras runs every row). The process splits its CPU into 2 logical devices before
+TensorFlow starts and uses subsets. Each measurement trains one warm-up epoch (tracing),
+then times ``--epochs`` epochs and keeps the fastest; runs of the two loops alternate, and
+the table shows the median over ``--repeats`` runs of each side and the median of the
+per-repeat ratios, so a noisy machine affects both sides alike.
 
-    python benchmarks/fit_vs_keras.py [--epochs 3] [--repeats 2] [--examples 4096]
+    python benchmarks/fit_vs_keras.py [--epochs 4] [--repeats 5] [--examples 4096]
+        [--models mlp,cnn] [--devices 1,2] [--steps-per-execution 1,8]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from typing import Any
@@ -83,45 +89,67 @@ def _measure(runner: str, kind: str, strategy: Any, spe: int, data: Any, epochs:
     return len(x) / min(clock.times[1:])
 
 
+def _strategies(replicas: list[int]) -> list[tuple[int, str, tf.distribute.Strategy]]:
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
+    out: list[tuple[int, str, tf.distribute.Strategy]] = []
+    if 1 in replicas:
+        out.append((1, "-", tf.distribute.OneDeviceStrategy(devices[0])))
+    if 2 in replicas:
+        out.append((2, "default", tf.distribute.MirroredStrategy(devices)))
+        one = tf.distribute.ReductionToOneDevice()
+        out.append((2, "to one device", tf.distribute.MirroredStrategy(devices, one)))
+    return out
+
+
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",")]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--examples", type=int, default=4096)
+    parser.add_argument("--models", default="mlp,cnn")
+    parser.add_argument("--devices", type=_ints, default=[1, 2])
+    parser.add_argument("--steps-per-execution", type=_ints, default=[1, 8])
     args = parser.parse_args(argv)
-    devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
-    strategies = {
-        1: tf.distribute.OneDeviceStrategy(devices[0]),
-        2: tf.distribute.MirroredStrategy(devices),
-    }
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"tfscale.fit vs keras fit, examples/s (global batch {BATCH})")
-    for column in ("model", "devices", "steps/exec", "keras fit", "tfscale.fit", "ratio"):
+    table = Table(
+        title=f"tfscale.fit vs keras fit, examples/s (global batch {BATCH}, "
+        f"median of {args.repeats} repeats)"
+    )
+    columns = ("model", "devices", "all-reduce", "steps/exec", "keras fit", "tfscale.fit")
+    for column in (*columns, "ratio"):
         table.add_column(column, justify="right")
-    for kind in ("mlp", "cnn"):
+    strategies = _strategies(args.devices)
+    for kind in args.models.split(","):
         data = _data(kind, args.examples)
-        for replicas, strategy in strategies.items():
-            for spe in (1, 8):
-                best = {"keras": 0.0, "tfscale": 0.0}
+        for replicas, reduction, strategy in strategies:
+            for spe in args.steps_per_execution:
+                rates: dict[str, list[float]] = {"keras": [], "tfscale": []}
                 failed: dict[str, str] = {}
                 for _ in range(args.repeats):
-                    for runner in best:
+                    for runner, values in rates.items():
                         if runner in failed:
                             continue
                         try:
-                            rate = _measure(runner, kind, strategy, spe, data, args.epochs)
+                            values.append(_measure(runner, kind, strategy, spe, data, args.epochs))
                         except Exception as error:  # report it in the table, go on
                             failed[runner] = f"fails ({type(error).__name__})"
-                            continue
-                        best[runner] = max(best[runner], rate)
-                shown = {r: failed.get(r, f"{v:,.0f}") for r, v in best.items()}
-                ratio = f"{best['tfscale'] / best['keras']:.2f}x" if not failed else "-"
-                table.add_row(
-                    kind, str(replicas), str(spe), shown["keras"], shown["tfscale"], ratio
-                )
-                print(f"{kind} devices={replicas} spe={spe}: {ratio} {failed}", flush=True)
+                shown = {
+                    r: failed[r] if r in failed else f"{statistics.median(v):,.0f}"
+                    for r, v in rates.items()
+                }
+                ratio = "-"
+                if not failed:
+                    pairs = zip(rates["tfscale"], rates["keras"], strict=True)
+                    ratio = f"{statistics.median(t / k for t, k in pairs):.2f}x"
+                row = (kind, str(replicas), reduction, str(spe), shown["keras"], shown["tfscale"])
+                table.add_row(*row, ratio)
+                print(" ".join(row), ratio, flush=True)
     Console().print(table)
     return 0
 

@@ -4,6 +4,7 @@ profiling hooks work."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import tensorflow as tf
 import tfscale
 from tfscale.testing import relative_difference
 from tfscale.training import Trainer
+from tfscale.training.callbacks import wants_batch_logs
 from tfscale.training.data import make_input
 
 from .helpers import CLASSES, DATA, FEATURES, batches, strategy_for, tiny_model
@@ -124,6 +126,43 @@ def test_keras_callbacks_and_distributed_validation(tmp_path: Path) -> None:
         expected = keras.Model.evaluate(model, x[:96], y[:96], batch_size=32, verbose=0)
     got = [history.history["val_loss"][-1], history.history["val_accuracy"][-1]]
     assert relative_difference(got, expected) <= 1e-5
+
+
+def test_batch_logs_only_when_a_callback_reads_them_and_training_is_the_same() -> None:
+    reader = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: None)
+    assert wants_batch_logs([reader]) and wants_batch_logs([keras.callbacks.ProgbarLogger()])
+    assert not wants_batch_logs([keras.callbacks.History(), keras.callbacks.EarlyStopping()])
+    x, y = DATA
+    strategy = strategy_for(2)
+    results = []
+    batch_losses = _BatchLosses()
+    for callbacks in ([], [keras.callbacks.CSVLogger(os.devnull), batch_losses]):
+        model = tiny_model(strategy, "adam", lr=0.01)
+        history = tfscale.fit(
+            model,
+            (x, y),
+            batch_size=32,
+            epochs=2,
+            callbacks=callbacks,
+            strategy=strategy,
+            verbose=0,
+        )
+        results.append((model.get_weights(), history.history["loss"]))
+    (quiet_weights, quiet_loss), (logged_weights, logged_loss) = results
+    assert relative_difference(quiet_weights, logged_weights) <= 1e-5
+    assert relative_difference(quiet_loss, logged_loss) <= 1e-5
+    assert len(batch_losses.losses) == 2 * len(x) // 32
+    # The last batch's running loss of an epoch is the epoch's loss.
+    assert relative_difference(batch_losses.losses[-1], logged_loss[-1]) <= 1e-5
+
+
+class _BatchLosses(keras.callbacks.Callback):
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.losses.append(float(logs["loss"]))
 
 
 class _Timings(keras.callbacks.Callback):

@@ -8,7 +8,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-__all__ = ["is_chief", "make_callbacks", "wants_timings"]
+__all__ = ["is_chief", "make_callbacks", "wants_batch_logs", "wants_timings"]
 
 
 def is_chief(strategy: tf.distribute.Strategy) -> bool:
@@ -23,6 +23,23 @@ def wants_timings(callbacks: Sequence[Any]) -> bool:
     in the logs of ``on_train_batch_end`` (see :class:`tfscale.training.Trainer`).
     """
     return any(getattr(c, "tfscale_wants_timings", False) for c in callbacks)
+
+
+def wants_batch_logs(callbacks: Sequence[Any]) -> bool:
+    """Whether a callback reads the logs of each batch (overrides a batch-end hook).
+
+    When none does (no progress bar, only History and epoch-level callbacks), the train
+    function leaves the per-call loss and metric results out; Keras's base ``Callback``
+    ignores them.
+    """
+    base = keras.callbacks.Callback
+    for callback in callbacks:
+        for name in ("on_train_batch_end", "on_batch_end"):
+            # A method of a subclass, or a function set on the instance (LambdaCallback).
+            hook = getattr(callback, name, None)
+            if getattr(hook, "__func__", hook) is not getattr(base, name):
+                return True
+    return False
 
 
 def make_callbacks(

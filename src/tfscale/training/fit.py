@@ -11,7 +11,7 @@ import keras
 import tensorflow as tf
 
 from tfscale.errors import TfscaleWarning, TrainingError, explain
-from tfscale.training.callbacks import make_callbacks, wants_timings
+from tfscale.training.callbacks import make_callbacks, wants_batch_logs, wants_timings
 from tfscale.training.checkpoint import CheckpointConfig, Checkpointer, TrainingCounters
 from tfscale.training.coordinator import fit_with_coordinator, is_parameter_server
 from tfscale.training.data import InputPipeline, make_input
@@ -252,18 +252,21 @@ def _run(
 
     callbacks.on_train_begin()
     k = trainer.accumulation_steps
+    batch_logs_wanted = wants_batch_logs(callbacks.callbacks)
     for epoch in range(first_epoch, epochs):
         callbacks.on_epoch_begin(epoch)
         trainer.reset()
         iterator = iter(pipeline.distributed(epoch, skip))
         done_in_epoch, batches, skip = skip // k, skip, 0
         logs: dict[str, Any] = {}
+        called = False  # epoch logs once the train function ran (as before)
         while steps is None or done_in_epoch < steps:
             want = trainer.steps_per_execution
             if steps is not None:
                 want = min(want, steps - done_in_epoch)
             callbacks.on_train_batch_begin(done_in_epoch)
-            done, exhausted, logs = trainer.train(iterator, want)
+            done, exhausted, logs = trainer.train(iterator, want, logs=batch_logs_wanted)
+            called = True
             done_in_epoch += done
             batches += done * k
             step += done
@@ -278,7 +281,7 @@ def _run(
                 last_saved = step
             if exhausted or model.stop_training:
                 break
-        epoch_logs = trainer.epoch_logs() if logs else {}
+        epoch_logs = trainer.epoch_logs() if called else {}
         if validation is not None:
             val = trainer.evaluate(validation.distributed(0))
             epoch_logs.update({f"val_{name}": value for name, value in val.items()})

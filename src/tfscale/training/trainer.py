@@ -168,6 +168,7 @@ class Trainer:
             self._eval_loss = tf.Variable(0.0, name="eval_loss", **on_read)
             self._eval_count = tf.Variable(0.0, name="eval_count", **on_read)
         self._train_fn: Any = None
+        self._quiet_train_fn: Any = None  # the same function without per-call logs
         self._batches_fn: Any = None
         self._eval_fn: Any = None
         self._epoch_logs_fn: Any = None
@@ -196,7 +197,7 @@ class Trainer:
         drift apart), so the difference in step time is the exposed communication.
         """
         self.step_fn.all_reduce = enabled
-        self._train_fn = self._batches_fn = None
+        self._train_fn = self._quiet_train_fn = self._batches_fn = None
 
     @property
     def all_reduce_traces(self) -> int:
@@ -260,7 +261,7 @@ class Trainer:
             self._epoch_logs_fn = tf.function(self._global_logs)
         return {name: float(value) for name, value in self._epoch_logs_fn().items()}
 
-    def _build_train_function(self) -> Any:
+    def _build_train_function(self, with_logs: bool = True) -> Any:
         k = self.accumulation_steps
 
         def train_function(iterator: Any, max_updates: tf.Tensor) -> Any:
@@ -291,7 +292,9 @@ class Trainer:
                     break
             # One int64 vector, so the host reads it with a single transfer.
             flags = tf.stack([done, tf.cast(exhausted, tf.int64), tf.cast(ok, tf.int64)])
-            return flags, self._logs()
+            # Without logs the metric results (several reads and divisions per replica,
+            # then copies to the host) are left out of every call; nobody reads them.
+            return flags, self._logs() if with_logs else {}
 
         return tf.function(train_function)
 
@@ -314,8 +317,17 @@ class Trainer:
         self._loss_total.assign(0.0)
         self._examples.assign(0.0)
 
-    def train(self, iterator: Any, max_updates: int) -> tuple[int, bool, dict[str, Any]]:
+    def train(
+        self, iterator: Any, max_updates: int, *, logs: bool = True
+    ) -> tuple[int, bool, dict[str, Any]]:
         """Runs up to ``max_updates`` optimizer updates from a distributed iterator.
+
+        Args:
+            iterator: An iterator over the strategy's distributed dataset.
+            max_updates: The most optimizer updates to run in this call.
+            logs: Compute the loss and metrics of this call for the returned logs; False
+                (when no callback reads batch logs) returns empty logs and saves their
+                computation on every call. :meth:`epoch_logs` is exact either way.
 
         Returns:
             ``(updates_done, input_exhausted, logs)``.
@@ -324,32 +336,40 @@ class Trainer:
             NonFiniteLossError: The loss (or, without loss scaling, a gradient) became NaN
                 or infinite; that update was not applied.
         """
+        results: dict[str, Any]
         if self.record_timings:
-            done, exhausted, ok, logs = self._train_timed(iterator, max_updates)
+            done, exhausted, ok, results = self._train_timed(iterator, max_updates)
         else:
-            if self._train_fn is None:
-                self._train_fn = self._build_train_function()
+            if logs:
+                if self._train_fn is None:
+                    self._train_fn = self._build_train_function(with_logs=True)
+                function = self._train_fn
+            else:
+                if self._quiet_train_fn is None:
+                    self._quiet_train_fn = self._build_train_function(with_logs=False)
+                function = self._quiet_train_fn
             limit = self._limits.get(max_updates)
             if limit is None:
                 limit = self._limits[max_updates] = tf.constant(max_updates, tf.int64)
-            flags, logs = self._train_fn(iterator, limit)
+            flags, results = function(iterator, limit)
             done, exhausted_flag, ok_flag = (int(v) for v in flags.numpy())
             exhausted, ok = bool(exhausted_flag), bool(ok_flag)
         self.updates += done
         if not ok:
             bad = self.updates
             self.updates -= 1  # that update was not applied
+            mean = float(tf.math.divide_no_nan(self._loss_total, self._examples))
             raise NonFiniteLossError(
                 explain(
                     f"The training loss became NaN or infinite at optimizer update {bad}; "
                     "that update was not applied and training stopped.",
-                    received=f"loss={float(logs['loss']):.4g} (mean before the bad update)",
+                    received=f"loss={mean:.4g} (mean before the bad update)",
                     fix="lower the learning rate, pass clipnorm=1.0, use "
                     'mixed_precision="bf16" instead of "fp16", and check the data for NaN '
                     "or infinite values (tf.debugging.check_numerics).",
                 )
             )
-        return done, exhausted, logs
+        return done, exhausted, results
 
     def _train_timed(
         self, iterator: Any, max_updates: int
