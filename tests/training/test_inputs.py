@@ -114,6 +114,7 @@ def test_keras_callbacks_and_distributed_validation(tmp_path: Path) -> None:
             keras.callbacks.CSVLogger(str(csv)),
             keras.callbacks.EarlyStopping(monitor="loss", patience=5),
             keras.callbacks.ModelCheckpoint(str(tmp_path / "w.weights.h5"), save_weights_only=True),
+            keras.callbacks.TensorBoard(str(tmp_path / "tb"), update_freq=2),
         ],
         strategy=strategy,
         verbose=0,
@@ -121,6 +122,18 @@ def test_keras_callbacks_and_distributed_validation(tmp_path: Path) -> None:
     assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
     assert len(csv.read_text().strip().splitlines()) == 4
     assert (tmp_path / "w.weights.h5").exists()
+    # TensorBoard got the epoch logs of both loops and the per-batch loss every 2 updates.
+    tags = {
+        part: {
+            value.tag
+            for path in (tmp_path / "tb" / part).glob("events.out.tfevents.*")
+            for event in tf.compat.v1.train.summary_iterator(str(path))
+            for value in event.summary.value
+        }
+        for part in ("train", "validation")
+    }
+    assert {"epoch_loss", "epoch_accuracy", "batch_loss"} <= tags["train"]
+    assert {"epoch_loss", "epoch_accuracy"} <= tags["validation"]
     # Validation on 2 replicas equals Keras's own single-process evaluation.
     with tf.device("/device:CPU:0"):
         expected = keras.Model.evaluate(model, x[:96], y[:96], batch_size=32, verbose=0)

@@ -9,6 +9,8 @@ one task per worker is in flight and Ray places it on any node with a free GPU. 
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -95,7 +97,17 @@ class RayBackend(Backend):
     def __init__(self) -> None:
         self._ray = import_ray()
         if not self._ray.is_initialized():
-            self._ray.init(ignore_reinit_error=True, log_to_driver=False)
+            # Ray pickles a function by reference to its module, and a local Ray's workers
+            # start with the interpreter's default sys.path: a task defined in the user's
+            # script directory or test package fails with "No module named ...". The
+            # workers of a Ray we start run on this machine, so they get our sys.path. On an
+            # existing cluster, ship code with Ray's own runtime_env (working_dir/py_modules).
+            path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+            self._ray.init(
+                ignore_reinit_error=True,
+                log_to_driver=False,
+                runtime_env={"env_vars": {"PYTHONPATH": path}},
+            )
             self._started = True
         else:
             self._started = False
