@@ -239,3 +239,36 @@ def test_no_strategy_given_uses_choose_strategy_over_every_device() -> None:
         reference, batches(x, y, 32), steps_per_epoch=3, strategy=strategy_for(4), verbose=0
     )
     assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5
+
+
+def test_one_update_per_call_ends_unknown_length_data_like_the_looped_function() -> None:
+    # 250 examples in batches of 32: 8 batches, the last one of 26 split over 2 replicas;
+    # filter() hides the length, so each epoch ends at the data's end. On one worker
+    # steps_per_execution=1 reads with a plain get_next and ends on OutOfRangeError;
+    # steps_per_execution=3 runs the looped function with get_next_as_optional.
+    x, y = DATA[0][:250], DATA[1][:250]
+    strategy = strategy_for(2)
+    data = batches(x, y, 32).filter(lambda a, b: True)
+    assert int(data.cardinality()) == int(tf.data.UNKNOWN_CARDINALITY)
+    weights = []
+    for steps_per_execution in (1, 3):
+        model = tiny_model(strategy, "adam", lr=0.01)
+        history = tfscale.fit(
+            model,
+            data,
+            epochs=2,
+            steps_per_execution=steps_per_execution,
+            strategy=strategy,
+            verbose=0,
+        )
+        assert int(model.optimizer.iterations.numpy()) == 2 * 8
+        assert len(history.history["loss"]) == 2
+        weights.append(model.get_weights())
+    assert relative_difference(weights[0], weights[1]) <= 1e-6
+    # The same from the step-level API: an exhausted iterator gives (0, True, {}).
+    model = tiny_model(strategy)
+    pipeline = make_input(data, batch_size=None, strategy=strategy)
+    trainer = Trainer(model, strategy, nominal_batch=32, sample_batch=pipeline.sample())
+    iterator = iter(pipeline.distributed())
+    results = [trainer.train(iterator, 1, logs=False)[:2] for _ in range(9)]
+    assert results == [(1, False)] * 8 + [(0, True)]
