@@ -16,16 +16,10 @@ import pytest
 from tfscale.cli.main import main
 from tfscale.testing import run_python
 
+from .helpers import alive
+
 _ROOT = Path(__file__).resolve().parents[2]
 _SLEEPER = str(Path(__file__).parent / "data" / "sleeper.py")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _wait_for(predicate, timeout: float) -> bool:  # type: ignore[no-untyped-def]
@@ -81,7 +75,7 @@ def test_interrupt_stops_every_worker_and_their_children(tmp_path: Path, signum:
             launcher.communicate()
     assert launcher.returncode == 130, err
     pids = [r[k] for r in records.values() for k in ("pid", "child")]
-    assert _wait_for(lambda: not any(_alive(p) for p in pids), 10), "a process of the job lives"
+    assert _wait_for(lambda: not any(alive(p) for p in pids), 10), "a process of the job lives"
     # Each worker got its own TF_CONFIG with two distinct local addresses, and K devices.
     workers = records["worker0-0"]["tf_config"]["cluster"]["worker"]
     assert len(set(workers)) == 2 and all(a.startswith("127.0.0.1:") for a in workers)

@@ -11,24 +11,16 @@ from pathlib import Path
 from tfscale.launch.process import spawn_process
 from tfscale.launch.supervisor import Supervisor, Task
 
-
-def _alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+from .helpers import alive
 
 
 def _wait_dead(pids: list[int], timeout: float = 10.0) -> list[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        alive = [p for p in pids if _alive(p)]
-        if not alive:
+        if not any(alive(p) for p in pids):
             return []
         time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
+    return [p for p in pids if alive(p)]
 
 
 def _py(code: str) -> tuple[str, ...]:
