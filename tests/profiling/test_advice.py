@@ -78,3 +78,55 @@ def test_fit_batch_cost() -> None:
     assert fit_batch_cost({4: 0.010, 8: 0.012}) == pytest.approx((0.008, 0.0005))
     assert fit_batch_cost({4: 0.010}) is None
     assert fit_batch_cost({4: 0.010, 8: 0.009}) == pytest.approx((0.0095, 0.0))
+
+
+def test_compute_that_grows_with_replicas_is_named_shared_hardware() -> None:
+    # 2 replicas at the same per-replica batch: compute 10 -> 18 ms, so they share hardware.
+    facts = _facts(
+        0.0,
+        0.018,
+        0.0,
+        physical_devices=2,
+        jit_compile=True,
+        compute_by_replicas={1: 0.010, 2: 0.018},
+    )
+    (advice,) = advise(facts)
+    assert advice.key == "shared-compute" and advice.severity == "high"
+    assert advice.change == {}  # no setting buys it: --verify skips it
+    assert advice.predicted_speedup == pytest.approx(0.018 / (0.018 - 0.008))
+    assert "1.80x from 1 to 2 replicas" in advice.text and "logical CPU devices" in advice.text
+    gpu = advise(
+        _facts(
+            0.0,
+            0.018,
+            0.0,
+            device_kind="GPU",
+            jit_compile=True,
+            compute_by_replicas={1: 0.010, 2: 0.018},
+        )
+    )
+    assert gpu[0].key == "shared-compute" and "steps_per_execution" in gpu[0].text
+
+
+def test_flat_compute_across_replicas_is_silent() -> None:
+    flat = _facts(0.0, 0.011, 0.0, jit_compile=True, compute_by_replicas={1: 0.010, 2: 0.011})
+    assert advise(flat) == []
+    # A growth between 1.25x and 1.5x is medium.
+    grown = _facts(0.0, 0.013, 0.0, jit_compile=True, compute_by_replicas={1: 0.010, 2: 0.013})
+    assert [(a.key, a.severity) for a in advise(grown)] == [("shared-compute", "medium")]
+
+
+def test_facts_for_takes_compute_at_the_advised_per_replica_batch() -> None:
+    from tfscale.profiling.bench import facts_for
+    from tfscale.profiling.report import Report
+    from tfscale.profiling.sweep import SweepPoint
+
+    points = [
+        SweepPoint("weak", 1, 64, 1, Breakdown(0.011, 0.0, 0.011, 0.0, 64)),
+        SweepPoint("weak", 2, 64, 1, Breakdown(0.020, 0.0, 0.0195, 0.0005, 128)),
+        SweepPoint("strong", 1, 128, 1, Breakdown(0.020, 0.0, 0.020, 0.0, 128)),
+        SweepPoint("strong", 2, 64, 1, Breakdown(0.020, 0.0, 0.0195, 0.0005, 128)),
+    ]
+    facts = facts_for(Report("mlp", "CPU", 2, {}, points), jit_compile=True)
+    assert facts.compute_by_replicas == {1: 0.011, 2: 0.0195}  # not strong 1 x 128
+    assert [a.key for a in advise(facts)] == ["shared-compute"]

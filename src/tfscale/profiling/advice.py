@@ -23,6 +23,9 @@ __all__ = ["RULES", "Advice", "Facts", "advise", "fit_batch_cost"]
 INPUT_SHARE = (0.05, 0.20)
 COMMUNICATION_SHARE = (0.03, 0.15)
 SMALL_BATCH = 32
+# Compute per update at the same per-replica batch that grew this much with the replica count
+# means the replicas compete for shared hardware (25%: above run-to-run noise here).
+SHARED_COMPUTE_GROWTH = 1.25
 # Assumed speedups of the compute part where nothing here measured them (labelled in the text).
 BF16_COMPUTE_SPEEDUP = 2.0
 XLA_COMPUTE_SPEEDUP = 1.15
@@ -40,6 +43,8 @@ class Facts:
         device_kind: ``"CPU"`` or ``"GPU"``.
         physical_devices: Physical cores (CPU) or GPUs available.
         throughput_by_replicas: Measured examples/s per replica count (same batch setting).
+        compute_by_replicas: Measured compute seconds per update per replica count, at this
+            per-replica batch and accumulation (weak scaling: the same work per replica).
         batch_cost: ``(a, c)``: local (non-communication) seconds per update ~ ``a + c *
             examples per replica``, or None.
         accumulation_cost: ``(a, m)``: local seconds per update ~ ``a + m * micro-batches``
@@ -56,6 +61,7 @@ class Facts:
     device_kind: str = "CPU"
     physical_devices: int = 1
     throughput_by_replicas: Mapping[int, float] = field(default_factory=dict)
+    compute_by_replicas: Mapping[int, float] = field(default_factory=dict)
     batch_cost: tuple[float, float] | None = None
     accumulation_cost: tuple[float, float] | None = None
     bf16_available: bool = False
@@ -69,7 +75,7 @@ class Advice:
 
     Attributes:
         key: Stable identifier (``"input-pipeline"``, ``"accumulate"``, ``"larger-batch"``,
-            ``"fewer-replicas"``, ``"bf16"``, ``"xla"``).
+            ``"fewer-replicas"``, ``"shared-compute"``, ``"bf16"``, ``"xla"``).
         severity: ``"high"`` or ``"medium"``.
         text: What to do, why, and the predicted effect, in one paragraph.
         predicted_speedup: Predicted examples/s after / before.
@@ -250,6 +256,52 @@ def replicas_rule(facts: Facts) -> Advice | None:
     )
 
 
+def shared_compute_rule(facts: Facts) -> Advice | None:
+    """Each replica's compute grew with the replica count although its work did not.
+
+    On devices that share nothing, compute per update at a fixed per-replica batch stays flat
+    as replicas are added; when it grows, the replicas are competing for something they
+    share. The prediction is the step with the compute of the fewest replicas measured: what
+    devices that do not share would give. No setting here buys it, so ``change`` is empty.
+    """
+    fewer = [n for n in facts.compute_by_replicas if n < facts.replicas]
+    now = facts.compute_by_replicas.get(facts.replicas, facts.breakdown.compute_s)
+    if not fewer or now <= 0:
+        return None
+    base_replicas = min(fewer)
+    base = facts.compute_by_replicas[base_replicas]
+    if base <= 0 or now / base < SHARED_COMPUTE_GROWTH:
+        return None
+    growth = now / base
+    b = facts.breakdown
+    gain = b.step_s / max(b.step_s - (now - base), 1e-12)
+    measured = (
+        f"Compute per update grew {growth:.2f}x from {base_replicas} to {facts.replicas} "
+        f"replicas ({1e3 * base:.1f} -> {1e3 * now:.1f} ms) at the same per-replica batch, "
+        "so the replicas compete for hardware they share instead of adding to it"
+    )
+    if facts.device_kind == "CPU":
+        why = (
+            f": logical CPU devices split {facts.physical_devices} physical cores, and one "
+            "replica's ops already use every core through intra-op threads. Logical devices "
+            "test multi-replica code; they add no compute. More speed needs more hardware "
+            "(GPUs, or more hosts with `tfscale launch`)"
+        )
+    else:
+        why = (
+            ": GPUs that share nothing keep this flat, so they are waiting on the host (one "
+            "process launches every replica's kernels) or on a shared link. Run more updates "
+            "per call (steps_per_execution), compile the step (jit_compile=True), or give each "
+            "replica a larger batch so that the host's fixed cost is spread over more work"
+        )
+    return Advice(
+        "shared-compute",
+        "high" if growth >= 1.5 else "medium",
+        f"{measured}{why}. Devices that do not share would give {gain:.2f}x examples/s.",
+        gain,
+    )
+
+
 def bf16_rule(facts: Facts) -> Advice | None:
     """float32 where the hardware has fast bfloat16 units."""
     if not facts.bf16_available or facts.precision != "float32":
@@ -292,6 +344,7 @@ RULES: tuple[Callable[[Facts], Advice | None], ...] = (
     accumulation_rule,
     batch_rule,
     replicas_rule,
+    shared_compute_rule,
     bf16_rule,
     xla_rule,
 )

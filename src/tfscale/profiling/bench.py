@@ -209,6 +209,11 @@ def facts_for(report: Report, *, jit_compile: bool = False) -> Facts:
         for p in report.points
         if p.mode == point.mode and p.accumulation == point.accumulation
     }
+    compute_by_replicas = {
+        p.replicas: p.breakdown.compute_s
+        for p in report.points
+        if p.batch_per_replica == point.batch_per_replica and p.accumulation == point.accumulation
+    }
     local = point.breakdown.step_s - point.breakdown.communication_s
     examples = point.batch_per_replica * point.accumulation
     costs = {examples: local}
@@ -231,6 +236,7 @@ def facts_for(report: Report, *, jit_compile: bool = False) -> Facts:
         device_kind=report.device_kind,
         physical_devices=report.physical_devices,
         throughput_by_replicas=by_replicas,
+        compute_by_replicas=compute_by_replicas,
         batch_cost=fit_batch_cost(costs),
         accumulation_cost=accumulation_cost,
         bf16_available=bf16_available(report.device_kind),
