@@ -116,7 +116,10 @@ def test_flat_compute_across_replicas_is_silent() -> None:
     assert [(a.key, a.severity) for a in advise(grown)] == [("shared-compute", "medium")]
 
 
-def test_facts_for_takes_compute_at_the_advised_per_replica_batch() -> None:
+def test_facts_for_takes_compute_at_the_advised_per_replica_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tfscale.profiling import bench
     from tfscale.profiling.bench import facts_for
     from tfscale.profiling.report import Report
     from tfscale.profiling.sweep import SweepPoint
@@ -127,6 +130,8 @@ def test_facts_for_takes_compute_at_the_advised_per_replica_batch() -> None:
         SweepPoint("strong", 1, 128, 1, Breakdown(0.020, 0.0, 0.020, 0.0, 128)),
         SweepPoint("strong", 2, 64, 1, Breakdown(0.020, 0.0, 0.0195, 0.0005, 128)),
     ]
+    # The bf16 rule reads the CPU's flags; this test is about compute, on any machine.
+    monkeypatch.setattr(bench, "bf16_available", lambda kind: False)
     facts = facts_for(Report("mlp", "CPU", 2, {}, points), jit_compile=True)
     assert facts.compute_by_replicas == {1: 0.011, 2: 0.0195}  # not strong 1 x 128
     assert [a.key for a in advise(facts)] == ["shared-compute"]

@@ -65,11 +65,16 @@ def reference_weights(
     steps: int,
     optimizer: str = "sgd",
     clipnorm: float | None = None,
+    lr: float = 0.1,
+    epochs: int = 1,
 ) -> list[np.ndarray]:
-    """Plain single-device training: mean loss of each batch, one optimizer step per batch."""
+    """Plain single-device training: mean loss of each batch, one optimizer step per batch.
+
+    Each epoch goes over the first ``steps`` batches of ``x`` in order (the last may be short).
+    """
     with tf.device("/device:CPU:0"):
-        model = tiny_model(None, optimizer)
-        for step in range(steps):
+        model = tiny_model(None, optimizer, lr=lr)
+        for step in [s for _ in range(epochs) for s in range(steps)]:
             xb = x[step * batch : (step + 1) * batch]
             yb = y[step * batch : (step + 1) * batch]
             with tf.GradientTape() as tape:
