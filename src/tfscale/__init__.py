@@ -48,6 +48,7 @@ _LAZY: dict[str, str] = {
     "CheckpointConfig": "tfscale.training",
     "Trainer": "tfscale.training",
     "fit": "tfscale.training",
+    "prepare": "tfscale.training",
     "PartitionPlan": "tfscale.parallel.partition",
     "plan_partition": "tfscale.parallel.partition",
     "place": "tfscale.parallel.placement",

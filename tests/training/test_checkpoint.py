@@ -43,23 +43,37 @@ class _Crash(keras.callbacks.Callback):
 _UNINTERRUPTED: list[Any] = []
 
 
-def _uninterrupted() -> Any:
+def _uninterrupted(folder: Path) -> Any:
+    """The same run in one go. With a checkpoint folder, fit shuffles arrays with a
+    permutation fixed per epoch, which is what makes a resumed epoch see the same batches."""
     if not _UNINTERRUPTED:
         x, y = DATA
         strategy = strategy_for(2)
         model = tiny_model(strategy, "adam", lr=0.01)
-        tfscale.fit(model, (x, y), batch_size=32, epochs=EPOCHS, strategy=strategy, verbose=0)
+        tfscale.fit(
+            model,
+            x,
+            y,
+            batch_size=32,
+            epochs=EPOCHS,
+            checkpoint_dir=str(folder),
+            strategy=strategy,
+            verbose=0,
+        )
         _UNINTERRUPTED.append(model.get_weights())
     return _UNINTERRUPTED[0]
 
 
-def test_stopped_after_epoch_2_of_4_and_resumed_equals_uninterrupted(tmp_path: Path) -> None:
+def test_stopped_after_epoch_2_of_4_and_resumed_equals_uninterrupted(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     x, y = DATA
     strategy = strategy_for(2)
     first = tiny_model(strategy, "adam", lr=0.01)
     tfscale.fit(
         first,
-        (x, y),
+        x,
+        y,
         batch_size=32,
         epochs=EPOCHS,
         checkpoint_dir=str(tmp_path),
@@ -70,7 +84,8 @@ def test_stopped_after_epoch_2_of_4_and_resumed_equals_uninterrupted(tmp_path: P
     resumed = tiny_model(strategy, "adam", lr=0.01)  # a fresh process would build this
     history = tfscale.fit(
         resumed,
-        (x, y),
+        x,
+        y,
         batch_size=32,
         epochs=EPOCHS,
         checkpoint_dir=str(tmp_path),
@@ -78,17 +93,20 @@ def test_stopped_after_epoch_2_of_4_and_resumed_equals_uninterrupted(tmp_path: P
         verbose=0,
     )
     assert history.epoch == [2, 3]
-    assert relative_difference(resumed.get_weights(), _uninterrupted()) <= 1e-5
+    assert relative_difference(resumed.get_weights(), _uninterrupted(tmp_path_factory.mktemp("uninterrupted"))) <= 1e-5
 
 
-def test_crash_mid_epoch_resumes_from_the_last_step_checkpoint(tmp_path: Path) -> None:
+def test_crash_mid_epoch_resumes_from_the_last_step_checkpoint(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     x, y = DATA
     strategy = strategy_for(2)
     config = CheckpointConfig(str(tmp_path), every_steps=3)
     with pytest.raises(RuntimeError, match="simulated crash"):
         tfscale.fit(
             tiny_model(strategy, "adam", lr=0.01),
-            (x, y),
+            x,
+            y,
             batch_size=32,
             epochs=EPOCHS,
             checkpoint_dir=config,
@@ -99,7 +117,8 @@ def test_crash_mid_epoch_resumes_from_the_last_step_checkpoint(tmp_path: Path) -
     resumed = tiny_model(strategy, "adam", lr=0.01)
     tfscale.fit(
         resumed,
-        (x, y),
+        x,
+        y,
         batch_size=32,
         epochs=EPOCHS,
         checkpoint_dir=config,
@@ -107,4 +126,4 @@ def test_crash_mid_epoch_resumes_from_the_last_step_checkpoint(tmp_path: Path) -
         verbose=0,
     )
     assert int(resumed.optimizer.iterations.numpy()) == EPOCHS * len(x) // 32
-    assert relative_difference(resumed.get_weights(), _uninterrupted()) <= 1e-5
+    assert relative_difference(resumed.get_weights(), _uninterrupted(tmp_path_factory.mktemp("uninterrupted"))) <= 1e-5

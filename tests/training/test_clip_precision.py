@@ -11,8 +11,6 @@ import tensorflow as tf
 import tfscale
 from tfscale.testing import relative_difference
 from tfscale.training import Trainer
-from tfscale.training.data import make_input
-from tfscale.training.precision import resolve_precision
 
 from .helpers import DATA, batches, reference_weights, strategy_for, tiny_model
 
@@ -43,36 +41,44 @@ def test_keras_global_clipnorm_under_mirrored_clips_each_replica_instead() -> No
     assert relative_difference(model.get_weights(), clipped) > 1e-3
 
 
-def _trainer(strategy: tf.distribute.Strategy, model: keras.Model, data: object) -> Trainer:
-    pipeline = make_input(data, batch_size=None, strategy=strategy)
-    return Trainer(
-        model,
-        strategy,
-        precision=resolve_precision("fp16"),
-        nominal_batch=32,
-        sample_batch=pipeline.sample(),
-    )
-
-
 def test_fp16_skips_the_update_when_one_replica_overflows() -> None:
     x, y = DATA
     strategy = strategy_for(2)
     model = tiny_model(strategy)
     x_bad = x[:64].copy()
     x_bad[16:32] *= 300.0  # replica 1's half of the first batch overflows float16 gradients
-    data = batches(x_bad, y[:64], 32)
-    trainer = _trainer(strategy, model, data)
-    assert trainer.loss_scale is not None
+    trainer = Trainer(model, strategy, mixed_precision="fp16", sample_batch=(x[:16], y[:16]))
+    scaled = model.optimizer
+    assert isinstance(scaled, keras.optimizers.LossScaleOptimizer)  # Keras's, as compile()'s
     before = model.get_weights()
-    iterator = iter(make_input(data, batch_size=None, strategy=strategy).distributed())
+    iterator = iter(strategy.experimental_distribute_dataset(batches(x_bad, y[:64], 32)))
     done, _, logs = trainer.train(iterator, 1)
     assert done == 1 and np.isfinite(float(logs["loss"]))  # the loss itself was finite
     assert int(model.optimizer.iterations.numpy()) == 0  # ... but nothing was applied
     assert relative_difference(model.get_weights(), before) == 0.0
-    assert float(trainer.loss_scale.scale.numpy()) == 2.0**14
+    assert float(scaled.dynamic_scale.numpy()) == 2.0**14
     trainer.train(iterator, 1)  # a clean batch is applied
     assert int(model.optimizer.iterations.numpy()) == 1
     assert relative_difference(model.get_weights(), before) > 0.0
+
+
+def test_keras_loss_scale_optimizer_alone_applies_one_replicas_overflow() -> None:
+    """The upstream behaviour tfscale avoids: Keras judges finiteness on one replica."""
+    x, y = DATA
+    strategy = strategy_for(2)
+    with strategy.scope():
+        model = tiny_model(strategy)
+        model.compile(
+            keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)),
+            model.loss,
+        )
+    x_bad = x[:32].copy()
+    x_bad[16:32] *= 300.0
+    model.layers[-1].dtype_policy = "mixed_float16"
+    for layer in model.layers:
+        layer.dtype_policy = "mixed_float16"
+    model.fit(batches(x_bad, y[:32], 32), verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 1  # applied although replica 1 overflowed
 
 
 def test_bf16_trains_with_bfloat16_compute_and_float32_weights() -> None:
@@ -80,7 +86,7 @@ def test_bf16_trains_with_bfloat16_compute_and_float32_weights() -> None:
     strategy = strategy_for(2)
     model = tiny_model(strategy, "adam", lr=0.01)
     history = tfscale.fit(
-        model, (x, y), batch_size=32, epochs=2, mixed_precision="bf16", strategy=strategy, verbose=0
+        model, x, y, batch_size=32, epochs=2, mixed_precision="bf16", strategy=strategy, verbose=0
     )
     assert model.layers[-1].compute_dtype == "bfloat16"
     assert all(w.dtype == np.float32 for w in model.get_weights())

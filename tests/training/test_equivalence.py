@@ -9,7 +9,7 @@ import tensorflow as tf
 import tfscale
 from tfscale.testing import relative_difference
 from tfscale.training import Trainer
-from tfscale.training.data import make_input
+from tfscale.training.prepare import prepared
 
 from .helpers import DATA, batches, reference_weights, strategy_for, tiny_model
 
@@ -50,7 +50,7 @@ def test_accumulating_k_micro_batches_equals_one_batch_of_k_times_b(
     tfscale.fit(
         model,
         batches(x, y, micro),
-        steps_per_epoch=STEPS,
+        steps_per_epoch=STEPS * k,  # steps are batches, as in model.fit
         accumulation_steps=k,
         strategy=strategy,
         verbose=0,
@@ -63,22 +63,16 @@ def test_exactly_one_gradient_all_reduce_per_update_with_k_4() -> None:
     x, y = DATA
     strategy = strategy_for(2)
     model = tiny_model(strategy)
-    pipeline = make_input(batches(x, y, 8), batch_size=None, strategy=strategy)
-    trainer = Trainer(
-        model,
-        strategy,
-        accumulation_steps=4,
-        steps_per_execution=3,
-        sample_batch=pipeline.sample(),
-    )
-    iterator = iter(pipeline.distributed())
+    trainer = Trainer(model, strategy, accumulation_steps=4, sample_batch=(x[:8], y[:8]))
+    iterator = iter(strategy.experimental_distribute_dataset(batches(x, y, 8)))
     done, exhausted, _ = trainer.train(iterator, 3)
     assert (done, exhausted) == (3, False)
-    # Traced into the update only, not into the micro-batch loop: once per replica (a
+    update = prepared(model).update  # type: ignore[union-attr]
+    # Traced into the update only, not into each micro-batch: once per replica (a
     # MirroredStrategy traces the replica function once for each of its 2 replicas) ...
-    assert trainer.all_reduce_traces == strategy.num_replicas_in_sync == 2
+    assert update.all_reduce_traces == strategy.num_replicas_in_sync == 2
     # ... and ran once per update: 3 updates of 4 micro-batches = 3 all-reduces, not 12.
-    assert int(trainer.step_fn.all_reduce_runs.numpy()) == 3
+    assert int(update.all_reduce_runs.numpy()) == 3
     assert int(model.optimizer.iterations.numpy()) == 3
 
 
@@ -99,7 +93,7 @@ def test_steps_per_execution_remat_and_jit_change_nothing() -> None:
     assert relative_difference(model.get_weights(), _reference("adam", BATCH)) <= 1e-5
 
 
-def test_arrays_dataset_fn_and_unbatched_dataset_are_the_same_input() -> None:
+def test_arrays_dataset_fn_and_batched_dataset_are_the_same_input() -> None:
     x, y = DATA
     strategy = strategy_for(2)
 
@@ -108,17 +102,12 @@ def test_arrays_dataset_fn_and_unbatched_dataset_are_the_same_input() -> None:
         return batches(x, y, BATCH).unbatch().batch(per_replica)  # replica r: its half
 
     weights = []
-    for data, batch_size in [
-        (tf.data.Dataset.from_tensor_slices((x, y)), BATCH),
-        (dataset_fn, BATCH),
-    ]:
+    for data in (batches(x, y, BATCH), dataset_fn):
         model = tiny_model(strategy)
-        tfscale.fit(
-            model, data, batch_size=batch_size, steps_per_epoch=2, strategy=strategy, verbose=0
-        )
+        tfscale.fit(model, data, steps_per_epoch=2, strategy=strategy, verbose=0)
         weights.append(model.get_weights())
     model = tiny_model(strategy)
-    tfscale.fit(model, (x, y), batch_size=BATCH, epochs=2, strategy=strategy, verbose=0)
+    tfscale.fit(model, x, y, batch_size=BATCH, epochs=2, strategy=strategy, verbose=0)
     assert relative_difference(weights[1], weights[0]) <= 1e-5
     assert model.optimizer.iterations.numpy() == 2 * len(x) // BATCH
 
@@ -133,10 +122,20 @@ def test_a_short_last_batch_split_unevenly_is_still_the_single_device_mean() -> 
     assert relative_difference(model.get_weights(), expected) <= 1e-5
 
 
-def _matmuls(trainer: Trainer, batch: object) -> int:
-    function = tf.function(trainer.step_fn._gradients_impl)
-    x, y = batch  # type: ignore[misc]
-    graph = function.get_concrete_function(x, y, None).graph.as_graph_def()
+def test_a_global_batch_the_replicas_do_not_divide_is_the_single_device_mean() -> None:
+    x, y = DATA
+    strategy = strategy_for(4)  # 30 examples a batch: 8, 8, 7, 7
+    model = tiny_model(strategy, "adam")
+    tfscale.fit(model, x, y, batch_size=30, shuffle=False, strategy=strategy, verbose=0)
+    expected = reference_weights(x, y, batch=30, steps=9, optimizer="adam")
+    assert relative_difference(model.get_weights(), expected) <= 1e-5
+
+
+def _matmuls(model: object, strategy: tf.distribute.Strategy, remat: bool) -> int:
+    trainer = Trainer(model, strategy, remat=remat)
+    dataset = strategy.experimental_distribute_dataset(batches(*DATA, 32))
+    function = trainer._function._multi.get_concrete_function(iter(dataset), tf.constant(1))
+    graph = function.graph.as_graph_def()
     nodes = list(graph.node)
     for library_function in graph.library.function:
         nodes.extend(library_function.node_def)
@@ -144,13 +143,10 @@ def _matmuls(trainer: Trainer, batch: object) -> int:
 
 
 def test_remat_recomputes_the_forward_pass_in_the_backward_pass() -> None:
-    x, y = DATA
     strategy = strategy_for(0)
     model = tiny_model(strategy)
-    pipeline = make_input(batches(x, y, 32), batch_size=None, strategy=strategy)
-    batch = pipeline.sample()
-    plain = _matmuls(Trainer(model, strategy, sample_batch=batch), batch)
-    recomputed = _matmuls(Trainer(model, strategy, remat=True), batch)
+    plain = _matmuls(model, strategy, remat=False)
+    recomputed = _matmuls(model, strategy, remat=True)
     assert recomputed >= plain + 3  # each of the 3 Dense layers' forward matmul again
 
 

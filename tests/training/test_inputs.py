@@ -1,10 +1,8 @@
-"""Bad inputs give tfscale errors that say what to do; callbacks, validation and the
-profiling hooks work."""
+"""Bad inputs give tfscale errors that say what to do; callbacks, validation, per-batch logs
+and the profiling hooks work; models built outside the scope train in place."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from pathlib import Path
 from typing import Any
 
@@ -16,20 +14,8 @@ import tensorflow as tf
 import tfscale
 from tfscale.testing import relative_difference
 from tfscale.training import Trainer
-from tfscale.training.callbacks import wants_batch_logs
-from tfscale.training.data import make_input
 
-from .helpers import CLASSES, DATA, FEATURES, batches, strategy_for, tiny_model
-
-
-def test_global_batch_not_divisible_lists_valid_sizes() -> None:
-    x, y = DATA
-    strategy = strategy_for(4)
-    with pytest.raises(tfscale.TrainingError, match="cannot be split evenly") as info:
-        tfscale.fit(tiny_model(strategy), (x, y), batch_size=30, strategy=strategy, verbose=0)
-    assert "28, 32" in str(info.value)
-    with pytest.raises(tfscale.TrainingError, match="cannot be split evenly"):
-        tfscale.fit(tiny_model(strategy), batches(x, y, 30), strategy=strategy, verbose=0)
+from .helpers import CLASSES, DATA, FEATURES, batches, reference_weights, strategy_for, tiny_model
 
 
 def test_uncompiled_model_is_refused_with_a_snippet() -> None:
@@ -37,7 +23,7 @@ def test_uncompiled_model_is_refused_with_a_snippet() -> None:
     with strategy.scope():
         model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(CLASSES)])
     with pytest.raises(tfscale.TrainingError, match="not compiled") as info:
-        tfscale.fit(model, DATA, strategy=strategy, verbose=0)
+        tfscale.fit(model, data=DATA, strategy=strategy, verbose=0)
     assert "model.compile(" in str(info.value)
 
 
@@ -48,13 +34,13 @@ def test_uncompiled_model_is_refused_with_a_snippet() -> None:
         ({"steps_per_execution": 1.5}, "steps_per_execution must be a positive integer"),
         ({"mixed_precision": "int8"}, "Unknown mixed_precision"),
         ({"clipnorm": -1.0}, "clipnorm must be positive"),
-        ({"epochs": 0}, "epochs must be a positive integer"),
+        ({"epochs": -1}, "epochs must be an integer >= 0"),
     ],
 )
 def test_bad_settings_are_refused(kwargs: dict[str, Any], match: str) -> None:
     strategy = strategy_for(2)
     with pytest.raises(tfscale.TrainingError, match=match):
-        tfscale.fit(tiny_model(strategy), DATA, strategy=strategy, verbose=0, **kwargs)
+        tfscale.fit(tiny_model(strategy), *DATA, strategy=strategy, verbose=0, **kwargs)
 
 
 def test_unreadable_or_endless_data_and_keras_accumulation_are_refused() -> None:
@@ -66,22 +52,22 @@ def test_unreadable_or_endless_data_and_keras_accumulation_are_refused() -> None
         tfscale.fit(tiny_model(strategy), "train.csv", strategy=strategy, verbose=0)
     model = tiny_model(strategy, keras.optimizers.SGD(0.1, gradient_accumulation_steps=2))
     with pytest.raises(tfscale.TrainingError, match="accumulation_steps=2"):
-        tfscale.fit(model, DATA, strategy=strategy, verbose=0)
+        tfscale.fit(model, *DATA, strategy=strategy, verbose=0)
 
 
-def test_model_built_outside_the_scope_is_repaired_with_a_warning() -> None:
+def test_model_built_outside_the_scope_trains_in_place_and_keeps_its_optimizer() -> None:
     x, y = DATA
     strategy = strategy_for(2)
-    outside = tiny_model(None)
-    if importlib.util.find_spec("tfscale.scope") is None:
-        with pytest.raises(tfscale.TrainingError, match="outside the strategy's scope"):
-            tfscale.fit(outside, (x, y), strategy=strategy, verbose=0)
-        return
-    inside = tiny_model(strategy)
-    with pytest.warns(tfscale.TfscaleWarning, match="outside the strategy's scope"):
+    outside = tiny_model(None, "adam", lr=0.01)
+    optimizer = outside.optimizer
+    for _ in range(2):  # the second call continues Adam where the first stopped
         tfscale.fit(outside, batches(x, y, 32), steps_per_epoch=3, strategy=strategy, verbose=0)
-    tfscale.fit(inside, batches(x, y, 32), steps_per_epoch=3, strategy=strategy, verbose=0)
-    assert relative_difference(outside.get_weights(), inside.get_weights()) <= 1e-5
+    assert outside.optimizer is optimizer
+    assert int(optimizer.iterations.numpy()) == 6
+    expected = reference_weights(x, y, batch=32, steps=3, optimizer="adam", lr=0.01, epochs=2)
+    assert relative_difference(outside.get_weights(), expected) <= 1e-5
+    kernel = outside.trainable_variables[0].value
+    assert strategy.extended.variable_created_in_scope(kernel)
 
 
 def test_multi_input_arrays_as_a_dict() -> None:
@@ -94,19 +80,50 @@ def test_multi_input_arrays_as_a_dict() -> None:
         model = keras.Model([left, right], keras.layers.Dense(CLASSES)(merged))
         model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     inputs = {"left": x[:, :6], "right": x[:, 6:]}
-    history = tfscale.fit(model, (inputs, y), batch_size=32, strategy=strategy, verbose=0)
+    history = tfscale.fit(model, inputs, y, batch_size=32, strategy=strategy, verbose=0)
     assert np.isfinite(history.history["loss"][0])
     assert int(model.optimizer.iterations.numpy()) == len(x) // 32
+
+
+def _tags(folder: Path) -> set[str]:
+    return {
+        value.tag
+        for path in folder.glob("events.out.tfevents.*")
+        for event in tf.compat.v1.train.summary_iterator(str(path))
+        for value in event.summary.value
+    }
+
+
+class _Protocol(keras.callbacks.Callback):
+    """Records which hooks ran and the logs of the last train end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+        self.end_logs: dict[str, Any] | None = None
+
+    def on_test_begin(self, logs: Any = None) -> None:
+        self.calls.append("test_begin")
+
+    def on_test_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.calls.append("test_batch_end")
+
+    def on_test_end(self, logs: Any = None) -> None:
+        self.calls.append("test_end")
+
+    def on_train_end(self, logs: Any = None) -> None:
+        self.end_logs = dict(logs or {})
 
 
 def test_keras_callbacks_and_distributed_validation(tmp_path: Path) -> None:
     x, y = DATA
     strategy = strategy_for(2)
     model = tiny_model(strategy, "adam", lr=0.01)
-    csv = tmp_path / "log.csv"
+    csv, protocol = tmp_path / "log.csv", _Protocol()
     history = tfscale.fit(
         model,
-        (x, y),
+        x,
+        y,
         batch_size=32,
         epochs=3,
         validation_data=(x[:96], y[:96]),
@@ -115,6 +132,7 @@ def test_keras_callbacks_and_distributed_validation(tmp_path: Path) -> None:
             keras.callbacks.EarlyStopping(monitor="loss", patience=5),
             keras.callbacks.ModelCheckpoint(str(tmp_path / "w.weights.h5"), save_weights_only=True),
             keras.callbacks.TensorBoard(str(tmp_path / "tb"), update_freq=2),
+            protocol,
         ],
         strategy=strategy,
         verbose=0,
@@ -122,60 +140,54 @@ def test_keras_callbacks_and_distributed_validation(tmp_path: Path) -> None:
     assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
     assert len(csv.read_text().strip().splitlines()) == 4
     assert (tmp_path / "w.weights.h5").exists()
-    # TensorBoard got the epoch logs of both loops and the per-batch loss every 2 updates.
-    tags = {
-        part: {
-            value.tag
-            for path in (tmp_path / "tb" / part).glob("events.out.tfevents.*")
-            for event in tf.compat.v1.train.summary_iterator(str(path))
-            for value in event.summary.value
-        }
-        for part in ("train", "validation")
-    }
-    assert {"epoch_loss", "epoch_accuracy", "batch_loss"} <= tags["train"]
-    assert {"epoch_loss", "epoch_accuracy"} <= tags["validation"]
-    # Validation on 2 replicas equals Keras's own single-process evaluation.
+    # model.fit's protocol: on_test_* during validation, final logs at on_train_end.
+    assert protocol.calls.count("test_begin") == 3 and "test_batch_end" in protocol.calls
+    assert protocol.end_logs is not None and set(protocol.end_logs) == set(history.history)
+    # TensorBoard got the epoch logs of both loops, the per-batch loss, and the evaluation
+    # curves against iterations.
+    train, validation = _tags(tmp_path / "tb" / "train"), _tags(tmp_path / "tb" / "validation")
+    assert {"epoch_loss", "epoch_accuracy", "batch_loss"} <= train
+    assert {"epoch_loss", "epoch_accuracy", "evaluation_loss_vs_iterations"} <= validation
+    # Validation on 2 replicas equals Keras's own single-device evaluation.
     with tf.device("/device:CPU:0"):
         expected = keras.Model.evaluate(model, x[:96], y[:96], batch_size=32, verbose=0)
     got = [history.history["val_loss"][-1], history.history["val_accuracy"][-1]]
     assert relative_difference(got, expected) <= 1e-5
 
 
-def test_batch_logs_only_when_a_callback_reads_them_and_training_is_the_same() -> None:
-    reader = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: None)
-    assert wants_batch_logs([reader]) and wants_batch_logs([keras.callbacks.ProgbarLogger()])
-    assert not wants_batch_logs([keras.callbacks.History(), keras.callbacks.EarlyStopping()])
-    x, y = DATA
-    strategy = strategy_for(2)
-    results = []
-    batch_losses = _BatchLosses()
-    for callbacks in ([], [keras.callbacks.CSVLogger(os.devnull), batch_losses]):
-        model = tiny_model(strategy, "adam", lr=0.01)
-        history = tfscale.fit(
-            model,
-            (x, y),
-            batch_size=32,
-            epochs=2,
-            callbacks=callbacks,
-            strategy=strategy,
-            verbose=0,
-        )
-        results.append((model.get_weights(), history.history["loss"]))
-    (quiet_weights, quiet_loss), (logged_weights, logged_loss) = results
-    assert relative_difference(quiet_weights, logged_weights) <= 1e-5
-    assert relative_difference(quiet_loss, logged_loss) <= 1e-5
-    assert len(batch_losses.losses) == 2 * len(x) // 32
-    # The last batch's running loss of an epoch is the epoch's loss.
-    assert relative_difference(batch_losses.losses[-1], logged_loss[-1]) <= 1e-5
-
-
-class _BatchLosses(keras.callbacks.Callback):
+class _BatchLogs(keras.callbacks.Callback):
     def __init__(self) -> None:
         super().__init__()
-        self.losses: list[float] = []
+        self.logs: list[dict[str, float]] = []
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        self.losses.append(float(logs["loss"]))
+        self.logs.append({k: float(v) for k, v in (logs or {}).items()})
+
+
+def test_per_batch_logs_are_the_metrics_of_all_replicas_as_on_one_device() -> None:
+    x, y = DATA
+    logs = []
+    for strategy in (strategy_for(0), strategy_for(4)):
+        with strategy.scope():
+            model = tiny_model(strategy)
+            model.compile(
+                keras.optimizers.Adam(0.01),
+                keras.losses.CategoricalCrossentropy(from_logits=True),
+                metrics=["accuracy", keras.metrics.AUC(name="auc", from_logits=True)],
+            )
+        recorder = _BatchLogs()
+        tfscale.fit(
+            model, batches(x, keras.utils.to_categorical(y, CLASSES), 32), epochs=1,
+            callbacks=[recorder], strategy=strategy, verbose=0,
+        )  # fmt: skip
+        logs.append(recorder.logs)
+    one, four = logs
+    assert len(one) == len(four) == len(x) // 32
+    for a, b in zip(one, four, strict=True):
+        assert set(a) == {"loss", "accuracy", "auc"} == set(b)
+        # AUC is not a mean over replicas: it is exact only when every replica's counts
+        # are summed first, as tfscale's logs are.
+        assert relative_difference([b[k] for k in sorted(b)], [a[k] for k in sorted(a)]) <= 1e-5
 
 
 class _Timings(keras.callbacks.Callback):
@@ -186,7 +198,8 @@ class _Timings(keras.callbacks.Callback):
         self.seen: list[tuple[float, float]] = []
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        self.seen.append((logs["fetch_seconds"], logs["step_seconds"]))
+        timing = self.model.train_function.timings[-1]
+        self.seen.append((timing.fetch_seconds, timing.step_seconds))
 
 
 def test_timing_hook_reports_fetch_and_step_time_and_changes_no_result() -> None:
@@ -197,13 +210,13 @@ def test_timing_hook_reports_fetch_and_step_time_and_changes_no_result() -> None
         tfscale.fit(
             model,
             batches(x, y, 16),
-            steps_per_epoch=3,
+            steps_per_epoch=6,
             accumulation_steps=2,
             callbacks=callbacks,
             strategy=strategy,
             verbose=0,
         )
-    assert len(recorder.seen) == 3
+    assert len(recorder.seen) == 6
     assert all(fetch >= 0.0 and step > 0.0 for fetch, step in recorder.seen)
     assert relative_difference(timed.get_weights(), plain.get_weights()) <= 1e-5
 
@@ -212,10 +225,9 @@ def test_private_knob_without_all_reduce_lets_replicas_drift_apart() -> None:
     x, y = DATA
     strategy = strategy_for(2)
     model = tiny_model(strategy)
-    pipeline = make_input(batches(x, y, 32), batch_size=None, strategy=strategy)
-    trainer = Trainer(model, strategy, nominal_batch=32, sample_batch=pipeline.sample())
-    trainer._set_gradient_all_reduce(False)
-    trainer.train(iter(pipeline.distributed()), 2)
+    trainer = Trainer(model, strategy, all_reduce=False, sample_batch=(x[:16], y[:16]))
+    dataset = strategy.experimental_distribute_dataset(batches(x, y, 32))
+    trainer.train(iter(dataset), 2)
     assert trainer.all_reduce_traces == 0
     kernel = model.trainable_variables[0].value
     copies = [c.numpy() for c in strategy.experimental_local_results(kernel)]
@@ -228,12 +240,9 @@ def test_no_strategy_given_uses_choose_strategy_over_every_device() -> None:
     reference = tiny_model(strategy_for(4))
     seen: list[int] = []
     record = keras.callbacks.LambdaCallback(
-        on_train_begin=lambda logs: seen.append(
-            record.model._distribute_strategy.num_replicas_in_sync
-        )
+        on_train_begin=lambda logs: seen.append(record.model.distribute_strategy.num_replicas_in_sync)
     )
-    with pytest.warns(tfscale.TfscaleWarning, match="outside the strategy's scope"):
-        tfscale.fit(model, batches(x, y, 32), steps_per_epoch=3, callbacks=[record], verbose=0)
+    tfscale.fit(model, batches(x, y, 32), steps_per_epoch=3, callbacks=[record], verbose=0)
     assert seen == [4]  # the session's 4 logical CPUs
     tfscale.fit(
         reference, batches(x, y, 32), steps_per_epoch=3, strategy=strategy_for(4), verbose=0
@@ -241,7 +250,7 @@ def test_no_strategy_given_uses_choose_strategy_over_every_device() -> None:
     assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5
 
 
-def test_one_update_per_call_ends_unknown_length_data_like_the_looped_function() -> None:
+def test_unknown_length_data_ends_each_epoch_with_one_or_several_steps_per_call() -> None:
     # 250 examples in batches of 32: 8 batches, the last one of 26 split over 2 replicas;
     # filter() hides the length, so each epoch ends at the data's end. On one worker
     # steps_per_execution=1 reads with a plain get_next and ends on OutOfRangeError;
@@ -263,12 +272,14 @@ def test_one_update_per_call_ends_unknown_length_data_like_the_looped_function()
         )
         assert int(model.optimizer.iterations.numpy()) == 2 * 8
         assert len(history.history["loss"]) == 2
+        assert model.steps_per_execution == 1  # the option held for that call only
         weights.append(model.get_weights())
     assert relative_difference(weights[0], weights[1]) <= 1e-6
-    # The same from the step-level API: an exhausted iterator gives (0, True, {}).
+    expected = reference_weights(x, y, batch=32, steps=8, optimizer="adam", lr=0.01, epochs=2)
+    assert relative_difference(weights[0], expected) <= 1e-5
+    # The same from the step-level API: an exhausted iterator gives (0, True, ...).
     model = tiny_model(strategy)
-    pipeline = make_input(data, batch_size=None, strategy=strategy)
-    trainer = Trainer(model, strategy, nominal_batch=32, sample_batch=pipeline.sample())
-    iterator = iter(pipeline.distributed())
-    results = [trainer.train(iterator, 1, logs=False)[:2] for _ in range(9)]
+    trainer = Trainer(model, strategy, sample_batch=(x[:16], y[:16]))
+    iterator = iter(strategy.experimental_distribute_dataset(data))
+    results = [trainer.train(iterator, 1)[:2] for _ in range(9)]
     assert results == [(1, False)] * 8 + [(0, True)]

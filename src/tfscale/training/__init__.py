@@ -1,7 +1,9 @@
-"""``tfscale.fit`` and ``Trainer``: a training loop correct under every strategy."""
+"""``tfscale.fit``, ``tfscale.prepare`` and ``Trainer``: Keras's training loop, correct under
+every strategy."""
 
 from tfscale.training.checkpoint import CheckpointConfig
 from tfscale.training.fit import fit
+from tfscale.training.prepare import prepare
 from tfscale.training.trainer import StepTiming, Trainer
 
-__all__ = ["CheckpointConfig", "StepTiming", "Trainer", "fit"]
+__all__ = ["CheckpointConfig", "StepTiming", "Trainer", "fit", "prepare"]

@@ -1,14 +1,17 @@
-"""Keras callbacks for tfscale's loop: History always, a progress bar on the chief only."""
+"""Callbacks ``tfscale.fit`` adds to the user's: a stop on a non-finite loss; who is chief."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
-__all__ = ["is_chief", "make_callbacks", "wants_batch_logs", "wants_timings"]
+from tfscale.errors import NonFiniteLossError, explain
+
+__all__ = ["ExactSteps", "NonFiniteGuard", "is_chief"]
 
 
 def is_chief(strategy: tf.distribute.Strategy) -> bool:
@@ -16,60 +19,56 @@ def is_chief(strategy: tf.distribute.Strategy) -> bool:
     return bool(strategy.extended.should_checkpoint)
 
 
-def wants_timings(callbacks: Sequence[Any]) -> bool:
-    """Whether a callback asks for per-step timings (``tfscale_wants_timings = True``).
+class NonFiniteGuard(keras.callbacks.Callback):  # type: ignore[misc]
+    """Stops training with :class:`NonFiniteLossError` at the first non-finite loss or
+    gradient (the optimizer's count of skipped updates, ``skipped``, went up).
 
-    A callback that sets this attribute receives ``fetch_seconds`` and ``step_seconds``
-    in the logs of ``on_train_batch_end`` (see :class:`tfscale.training.Trainer`).
+    The update whose gradient was not finite was skipped on every replica (the distributed
+    update tests the reduced gradient), so the weights stay finite. ``tfscale.fit`` adds this
+    guard unless the user passed ``keras.callbacks.TerminateOnNaN``, which stops quietly.
     """
-    return any(getattr(c, "tfscale_wants_timings", False) for c in callbacks)
+
+    def __init__(self, skipped: tf.Variable | None = None) -> None:
+        super().__init__()
+        self._skipped = skipped
+        self._seen = 0
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        self._seen = 0 if self._skipped is None else int(self._skipped.numpy())
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        loss = (logs or {}).get("loss")
+        value = float("nan") if loss is None else float(np.asarray(loss))
+        skipped = self._seen if self._skipped is None else int(self._skipped.numpy())
+        if (loss is None or math.isfinite(value)) and skipped == self._seen:
+            return
+        update = int(self.model.optimizer.iterations.numpy()) + 1
+        what = "training loss" if not math.isfinite(value) else "gradient"
+        raise NonFiniteLossError(
+            explain(
+                f"The {what} became NaN or infinite at optimizer update {update} "
+                f"(batch {batch} of this epoch); that update was not applied and training "
+                "stopped.",
+                received=f"loss={value}",
+                fix="lower the learning rate, pass clipnorm=1.0, use "
+                'mixed_precision="bf16" instead of "fp16", and check the data for NaN '
+                "or infinite values (tf.debugging.check_numerics). To stop without an "
+                "error, pass callbacks=[keras.callbacks.TerminateOnNaN()].",
+            )
+        )
 
 
-def wants_batch_logs(callbacks: Sequence[Any]) -> bool:
-    """Whether a callback reads the logs of each batch (overrides a batch-end hook).
+class ExactSteps(keras.callbacks.Callback):  # type: ignore[misc]
+    """Makes an epoch run exactly ``steps_per_epoch`` steps with ``steps_per_execution > 1``.
 
-    When none does (no progress bar, only History and epoch-level callbacks), the train
-    function leaves the per-call loss and metric results out; Keras's base ``Callback``
-    ignores them.
+    Keras's train function always runs whole executions, so 5 steps per epoch at 3 steps
+    per execution train 6 batches (Keras 3.15, ``model.fit`` on one device too). Before each
+    call this tells tfscale's train function how many steps the epoch has left.
     """
-    base = keras.callbacks.Callback
-    for callback in callbacks:
-        for name in ("on_train_batch_end", "on_batch_end"):
-            # A method of a subclass, or a function set on the instance (LambdaCallback).
-            hook = getattr(callback, name, None)
-            if getattr(hook, "__func__", hook) is not getattr(base, name):
-                return True
-    return False
 
-
-def make_callbacks(
-    callbacks: Sequence[Any] | None,
-    *,
-    model: Any,
-    strategy: tf.distribute.Strategy,
-    verbose: int | str,
-    epochs: int,
-    steps: int | None,
-) -> keras.callbacks.CallbackList:
-    """A Keras ``CallbackList`` with History and, on the chief, a progress bar.
-
-    Args:
-        callbacks: The user's callbacks.
-        model: The model the callbacks see.
-        strategy: Decides who is chief.
-        verbose: ``"auto"`` (1), 0 (silent), 1 (bar) or 2 (one line per epoch).
-        epochs: Total epochs.
-        steps: Optimizer updates per epoch, where known.
-    """
-    level = 1 if verbose == "auto" else int(verbose)
-    if not is_chief(strategy):
-        level = 0
-    return keras.callbacks.CallbackList(
-        list(callbacks or []),
-        add_history=True,
-        add_progbar=level != 0,
-        model=model,
-        verbose=level,
-        epochs=epochs,
-        steps=steps,
-    )
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        function = self.model.train_function
+        steps = self.params.get("steps")
+        if function is None or not hasattr(function, "limit"):
+            return
+        function.limit = None if not steps else max(1, min(function.steps_per_execution, steps - batch))

@@ -1,10 +1,19 @@
-"""Checkpoint and resume: weights, optimizer, loss scale, counters and data position.
+"""Checkpoint and resume for ``tfscale.fit``: weights, optimizer, position in the data.
 
-Written with ``tf.train.CheckpointManager``, whose index file is replaced only after the
-data files are complete, so a crash mid-write leaves the previous checkpoint as the latest.
-Under MultiWorkerMirroredStrategy every worker must take part in saving (reading
-distributed variables can need collectives); only the chief writes to ``directory``, the
-others to a scratch folder that is removed (the pattern of TensorFlow's multi-worker guide).
+Keras's ``BackupAndRestore`` resumes at the start of the epoch it saved in; a run stopped
+mid-epoch then trains that epoch's first batches twice. :class:`CheckpointCallback` also saves
+how many batches of the epoch were done and, on resume, drops them before the first step
+(``StepFunction.skip``), so a resumed run trains on exactly the batches the uninterrupted run
+would have, when the input gives the same batches in the same order (a dataset, arrays with
+``shuffle=False``, or arrays with ``shuffle=True`` and ``checkpoint_dir``, which ``fit``
+shuffles with a permutation fixed per epoch: ``training/data.py``).
+
+Written with ``tf.train.CheckpointManager``, whose index file is replaced only after the data
+files are complete, so a crash mid-write leaves the previous checkpoint as the latest. Under
+MultiWorkerMirroredStrategy every worker takes part in saving (reading distributed variables
+can need collectives); only the chief writes to ``directory``, the others to a scratch folder
+that is removed (the pattern of TensorFlow's multi-worker guide). Saves happen only between
+optimizer updates (never with gradients half accumulated).
 """
 
 from __future__ import annotations
@@ -14,9 +23,13 @@ import shutil
 from dataclasses import dataclass
 from typing import Any
 
+import keras
 import tensorflow as tf
 
-__all__ = ["CheckpointConfig", "Checkpointer", "TrainingCounters"]
+from tfscale import internals
+from tfscale.training.prepare import prepared
+
+__all__ = ["CheckpointCallback", "CheckpointConfig"]
 
 
 @dataclass(frozen=True)
@@ -24,7 +37,7 @@ class CheckpointConfig:
     """Where and how often to checkpoint; ``fit(checkpoint_dir=...)`` accepts one.
 
     Attributes:
-        directory: Folder of the checkpoints (shared by all workers' chief).
+        directory: Folder of the checkpoints (written by the chief).
         every_steps: Also save every this many optimizer updates (besides every epoch);
             None saves at epoch ends only.
         max_to_keep: Checkpoints kept on disk.
@@ -35,60 +48,122 @@ class CheckpointConfig:
     max_to_keep: int = 2
 
 
-class TrainingCounters:
-    """Position of training: epochs done, updates done, micro-batches into this epoch."""
-
-    def __init__(self) -> None:
-        self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
-        self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-        self.batches_in_epoch = tf.Variable(
-            0, dtype=tf.int64, trainable=False, name="batches_in_epoch"
-        )
-
-
 def _task_id(strategy: tf.distribute.Strategy) -> int:
     resolver = getattr(strategy, "cluster_resolver", None)
     return int(getattr(resolver, "task_id", 0) or 0)
 
 
-class Checkpointer:
-    """Saves and restores one training run.
+class CheckpointCallback(keras.callbacks.Callback):  # type: ignore[misc]
+    """Saves every epoch and every ``every_steps`` updates; restores and skips on resume.
 
     Args:
         config: Where and how often.
         strategy: The training strategy (decides who writes where).
-        trackables: Named objects to save (model, optimizer, counters, loss scale).
+        data_epoch: A variable the input reads to order each epoch (``data.EpochOrder``).
     """
 
     def __init__(
-        self, config: CheckpointConfig, strategy: tf.distribute.Strategy, **trackables: Any
+        self,
+        config: CheckpointConfig,
+        strategy: tf.distribute.Strategy,
+        data_epoch: tf.Variable | None = None,
     ) -> None:
+        super().__init__()
+        self._data_epoch = data_epoch
         self.config = config
-        self._checkpoint = tf.train.Checkpoint(**trackables)
+        self.strategy = strategy
         self._chief = bool(strategy.extended.should_checkpoint)
-        directory = config.directory
+        self._checkpoint: tf.train.Checkpoint | None = None
+        self._manager: tf.train.CheckpointManager | None = None
+        self._scratch: str | None = None
+        self._epoch: tf.Variable | None = None
+        self._batches: tf.Variable | None = None
+        self._last_saved_update = 0
+        self._seen = 0  # batches of the current epoch, the skipped ones included
+        self._skip_first_epoch = 0
+        self._skip_first_epoch_done = 0
+        self._epoch_now = 0
+
+    # -- set-up --------------------------------------------------------------------------
+    def _build(self) -> None:
+        model = self.model
+        with self.strategy.scope():
+            self._epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
+            self._batches = tf.Variable(0, dtype=tf.int64, trainable=False, name="batches")
+        state = prepared(model)
+        extra: dict[str, Any] = {}
+        if state is not None:
+            for index, update in enumerate(state.updates()):
+                extra[f"update_{index}"] = update.checkpointed()
+        self._checkpoint = tf.train.Checkpoint(
+            model=model,
+            optimizer=model.optimizer,
+            epoch=self._epoch,
+            batches=self._batches,
+            **extra,
+        )
+        directory = self.config.directory
         if not self._chief:
-            directory = os.path.join(config.directory, f".worker-{_task_id(strategy)}")
-        self._scratch = None if self._chief else directory
+            directory = os.path.join(self.config.directory, f".worker-{_task_id(self.strategy)}")
+            self._scratch = directory
         self._manager = tf.train.CheckpointManager(
-            self._checkpoint, directory, max_to_keep=config.max_to_keep
+            self._checkpoint, directory, max_to_keep=self.config.max_to_keep
         )
 
-    def restore(self) -> bool:
-        """Restores the latest checkpoint of ``config.directory``; False when there is none."""
-        latest = tf.train.latest_checkpoint(self.config.directory)
-        if latest is None:
-            return False
-        self._checkpoint.restore(latest).expect_partial()
-        return True
+    def _updates(self) -> int:
+        return int(self.model.optimizer.iterations.numpy())
 
-    def save(self, step: int) -> None:
-        """Writes a checkpoint numbered ``step`` (every worker must call it)."""
-        self._manager.save(checkpoint_number=step)
+    def _between_updates(self) -> bool:
+        state = prepared(self.model)
+        return state is None or all(u.pending_micro_batches() == 0 for u in state.updates())
+
+    def _save(self, epoch: int, batches: int) -> None:
+        assert self._manager is not None and self._epoch is not None and self._batches is not None
+        self._epoch.assign(epoch)
+        self._batches.assign(batches)
+        updates = self._updates()
+        self._manager.save(checkpoint_number=updates)
+        self._last_saved_update = updates
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
 
-    def due(self, step: int, last_saved: int) -> bool:
-        """Whether ``every_steps`` updates have passed since the last save."""
+    # -- Keras hooks ---------------------------------------------------------------------
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        self._build()
+        latest = tf.train.latest_checkpoint(self.config.directory)
+        if latest is None:
+            return
+        assert self._checkpoint is not None and self._epoch is not None
+        self._checkpoint.restore(latest).expect_partial()
+        epoch, batches = int(self._epoch.numpy()), int(self._batches.numpy())
+        internals.set_initial_epoch(self.model, epoch)
+        self._skip_first_epoch = batches
+        self._last_saved_update = self._updates()
+        function = self.model.train_function
+        if batches and function is not None and hasattr(function, "skip"):
+            function.skip = batches
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self._epoch_now = epoch
+        if self._data_epoch is not None:
+            self._data_epoch.assign(epoch)
+        self._seen = self._skip_first_epoch_done = self._skip_first_epoch
+        self._skip_first_epoch = 0
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        # Keras passes the index of the last batch of this call of the train function.
+        done = batch + 1
+        if self.params.get("steps"):
+            done = min(done, int(self.params["steps"]))
+        self._seen = self._skip_first_epoch_done + done
         every = self.config.every_steps
-        return bool(every) and step - last_saved >= int(every or 0)
+        if not every or not self._between_updates():
+            return
+        if self._updates() - self._last_saved_update >= every:
+            self._save(self._epoch_now, self._seen)
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self._save(epoch + 1, 0)
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        internals.set_initial_epoch(self.model, None)

@@ -1,93 +1,24 @@
-"""Training inputs: arrays, datasets or a ``dataset_fn``, distributed with the strategy.
+"""Inputs ``tfscale.fit`` hands to Keras beyond what ``model.fit`` reads itself.
 
-Each kind becomes an :class:`InputPipeline` that makes the distributed dataset of one epoch
-(deterministically shuffled for arrays, so a resumed run sees the same batches) and can skip
-the micro-batches an interrupted epoch had already consumed.
+- ``dataset_fn(input_context)`` becomes ``strategy.distribute_datasets_from_function``.
+- A ``tf.data.Dataset`` under several workers is sharded by DATA unless the user chose a
+  policy: AUTO tries FILE sharding first, and with fewer files than workers a worker gets no
+  data and MultiWorkerMirroredStrategy waits for it forever (see DESIGN.md). DATA is always
+  correct (each worker reads everything and keeps its share); set FILE yourself when there
+  are many files.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
-from tfscale.errors import TrainingError, explain
-
-__all__ = ["InputPipeline", "make_input", "valid_batch_sizes"]
-
-_DEFAULT_BATCH = 32
+__all__ = ["EpochOrder", "distributed_input", "is_dataset_fn", "num_workers"]
 
 
-def valid_batch_sizes(near: int, num_replicas: int, count: int = 4) -> list[int]:
-    """Global batch sizes close to ``near`` that ``num_replicas`` divides."""
-    low = max(num_replicas, (near // num_replicas) * num_replicas)
-    sizes = {low, low + num_replicas, low * 2}
-    if low - num_replicas >= num_replicas:
-        sizes.add(low - num_replicas)
-    return sorted(sizes)[:count]
-
-
-def _check_divisible(batch: int, num_replicas: int) -> None:
-    if batch % num_replicas:
-        raise TrainingError(
-            explain(
-                f"The global batch size {batch} cannot be split evenly over "
-                f"{num_replicas} replicas.",
-                received=f"batch_size={batch}",
-                allowed=f"a multiple of {num_replicas}, e.g. "
-                + ", ".join(map(str, valid_batch_sizes(batch, num_replicas))),
-                fix="batch_size is the GLOBAL batch of one micro-step; each replica gets "
-                f"batch_size / {num_replicas} examples.",
-            )
-        )
-
-
-@dataclass
-class InputPipeline:
-    """How to make each epoch's distributed dataset.
-
-    Attributes:
-        strategy: The strategy that distributes it.
-        global_batch: Global examples per micro-step, where known.
-        batches_per_epoch: Micro-batches in one pass over the data, where known.
-    """
-
-    strategy: tf.distribute.Strategy
-    global_batch: int | None
-    batches_per_epoch: int | None
-    _make: Callable[[int, int], Any]
-
-    def distributed(self, epoch: int = 0, skip: int = 0) -> Any:
-        """The distributed dataset of ``epoch``, with ``skip`` global micro-batches dropped."""
-        return self._make(epoch, skip)
-
-    def sample(self) -> Any:
-        """One undistributed batch (for building the model and its metrics)."""
-        return self._make(-1, 0)
-
-
-def _options(dataset: tf.data.Dataset, strategy: tf.distribute.Strategy) -> tf.data.Dataset:
-    """Shards by DATA across workers unless the user chose a policy.
-
-    AUTO tries FILE sharding first; with fewer files than workers a worker gets no data and
-    MultiWorkerMirroredStrategy waits for it forever (see DESIGN.md). DATA is always correct
-    (each worker reads everything and keeps its share); set FILE yourself when there are
-    many files.
-    """
-    options = tf.data.Options()
-    policy = dataset.options().experimental_distribute.auto_shard_policy
-    if _num_workers(strategy) > 1 and policy == tf.data.experimental.AutoShardPolicy.AUTO:
-        options.experimental_distribute.auto_shard_policy = (
-            tf.data.experimental.AutoShardPolicy.DATA
-        )
-    return dataset.with_options(options)
-
-
-def _num_workers(strategy: tf.distribute.Strategy) -> int:
+def num_workers(strategy: tf.distribute.Strategy) -> int:
+    """Worker processes (chief included) the strategy's cluster spans; 1 without a cluster."""
     resolver = getattr(strategy, "cluster_resolver", None)
     if resolver is None:
         return 1
@@ -95,142 +26,87 @@ def _num_workers(strategy: tf.distribute.Strategy) -> int:
     return max(1, len(spec.get("worker", [])) + len(spec.get("chief", [])))
 
 
-def _static_batch(dataset: tf.data.Dataset) -> int | None:
-    first = tf.nest.flatten(dataset.element_spec)[0]
-    dim = first.shape[0] if first.shape.rank else None
-    if dim is not None:
-        return int(dim)
-    for batch in dataset.take(1):
-        return int(tf.shape(tf.nest.flatten(batch)[0])[0])
-    return None
+def _sharded(dataset: tf.data.Dataset, strategy: tf.distribute.Strategy) -> tf.data.Dataset:
+    policy = dataset.options().experimental_distribute.auto_shard_policy
+    if num_workers(strategy) == 1 or policy != tf.data.experimental.AutoShardPolicy.AUTO:
+        return dataset
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return dataset.with_options(options)
 
 
-def _from_dataset(
-    dataset: tf.data.Dataset,
-    batch_size: int | None,
-    strategy: tf.distribute.Strategy,
-    steps_per_epoch: int | None,
-) -> InputPipeline:
-    if batch_size is not None:
-        dataset = dataset.batch(batch_size)
-    global_batch = _static_batch(dataset)
-    if global_batch is not None:
-        _check_divisible(global_batch, strategy.num_replicas_in_sync)
-    cardinality = int(dataset.cardinality())
-    batches = cardinality if cardinality >= 0 else None
-    if cardinality == tf.data.INFINITE_CARDINALITY and steps_per_epoch is None:
-        raise TrainingError(
-            explain(
-                "The dataset repeats forever, so an epoch would never end.",
-                received="a dataset with infinite cardinality and steps_per_epoch=None",
-                fix="pass steps_per_epoch=N (optimizer updates per epoch), or drop .repeat()",
-            )
-        )
-
-    def make(epoch: int, skip: int) -> Any:
-        if epoch < 0:
-            return next(iter(dataset.take(1)))
-        pipeline = _options(dataset.skip(skip) if skip else dataset, strategy)
-        return strategy.experimental_distribute_dataset(pipeline.prefetch(tf.data.AUTOTUNE))
-
-    return InputPipeline(strategy, global_batch, batches, make)
+def is_dataset_fn(data: Any) -> bool:
+    """Whether ``data`` is a ``dataset_fn(input_context)`` rather than data."""
+    return callable(data) and not hasattr(data, "__getitem__") and not hasattr(data, "__next__")
 
 
-def _from_arrays(
-    arrays: tuple[Any, ...], batch_size: int | None, strategy: tf.distribute.Strategy, seed: int
-) -> InputPipeline:
-    batch = _DEFAULT_BATCH if batch_size is None else batch_size
-    _check_divisible(batch, strategy.num_replicas_in_sync)
-    # x (or y) may be a dict or list of arrays for a multi-input (or multi-output) model.
-    arrays = tf.nest.map_structure(np.asarray, arrays)
-    lengths = [len(a) for a in tf.nest.flatten(arrays)]
-    n = lengths[0]
-    if any(length != n for length in lengths):
-        raise TrainingError(
-            explain(
-                "x, y (and sample weights) must have the same number of examples.",
-                received=lengths,
-                fix="pass arrays whose first dimensions agree",
-            )
-        )
-    base = tf.data.Dataset.from_tensor_slices(arrays)
+def distributed_input(data: Any, strategy: tf.distribute.Strategy) -> Any:
+    """``data`` as ``model.fit`` should receive it under ``strategy`` (see the module doc).
 
-    def make(epoch: int, skip: int) -> Any:
-        if epoch < 0:
-            return next(iter(base.batch(batch).take(1)))
-        # A fixed permutation per epoch: a resumed run sees the same batches.
-        order = np.random.default_rng([seed, epoch]).permutation(n)
-        shuffled = tf.nest.map_structure(lambda a: a[order], arrays)
-        dataset = tf.data.Dataset.from_tensor_slices(shuffled)
-        dataset = dataset.batch(batch)
-        if skip:
-            dataset = dataset.skip(skip)
-        dataset = _options(dataset, strategy).prefetch(tf.data.AUTOTUNE)
-        return strategy.experimental_distribute_dataset(dataset)
-
-    return InputPipeline(strategy, batch, math.ceil(n / batch), make)
-
-
-def _from_function(
-    fn: Callable[[tf.distribute.InputContext], tf.data.Dataset],
-    batch_size: int | None,
-    strategy: tf.distribute.Strategy,
-) -> InputPipeline:
-    if batch_size is not None:
-        _check_divisible(batch_size, strategy.num_replicas_in_sync)
-
-    def make(epoch: int, skip: int) -> Any:
-        if epoch < 0:
-            return next(iter(fn(tf.distribute.InputContext()).take(1)))
-
-        def per_worker(context: tf.distribute.InputContext) -> tf.data.Dataset:
-            dataset = fn(context)
-            # Each global micro-step takes one batch per local replica from this pipeline.
-            local = context.num_replicas_in_sync // max(1, context.num_input_pipelines)
-            if skip:
-                dataset = dataset.skip(skip * local)
-            return dataset.prefetch(tf.data.AUTOTUNE)
-
-        return strategy.distribute_datasets_from_function(per_worker)
-
-    return InputPipeline(strategy, batch_size, None, make)
-
-
-def make_input(
-    data: Any,
-    *,
-    batch_size: int | None,
-    strategy: tf.distribute.Strategy,
-    steps_per_epoch: int | None = None,
-    seed: int = 0,
-) -> InputPipeline:
-    """Turns ``fit``'s ``data`` argument into an :class:`InputPipeline`.
-
-    Args:
-        data: A ``tf.data.Dataset`` (batched, or unbatched with ``batch_size``), a tuple
-            ``(x, y)`` or ``(x, y, sample_weight)`` of arrays, or a function
-            ``dataset_fn(input_context) -> tf.data.Dataset`` returning per-replica batches.
-        batch_size: Global examples of one micro-step (arrays default to 32).
-        strategy: The strategy to distribute with.
-        steps_per_epoch: Updates per epoch; required for a dataset that repeats forever.
-        seed: Seed of the per-epoch shuffle of arrays.
-
-    Raises:
-        TrainingError: An unsupported data type, or a global batch that the replica count
-            does not divide.
+    Anything else (arrays, generators, PyDataset, distributed datasets) is returned as is.
     """
     if isinstance(data, tf.data.Dataset):
-        return _from_dataset(data, batch_size, strategy, steps_per_epoch)
-    if isinstance(data, (tuple, list)) and 2 <= len(data) <= 3:
-        return _from_arrays(tuple(data), batch_size, strategy, seed)
-    if callable(data):
-        return _from_function(data, batch_size, strategy)
-    raise TrainingError(
-        explain(
-            "tfscale.fit cannot read this data.",
-            received=type(data).__name__,
-            allowed="a tf.data.Dataset, a tuple (x, y) or (x, y, sample_weight) of arrays, "
-            "or dataset_fn(input_context) -> tf.data.Dataset",
-            fix="tfscale.fit(model, (x_train, y_train), batch_size=64)",
+        return _sharded(data, strategy)
+    if not is_dataset_fn(data):
+        return data
+    if num_workers(strategy) == 1:
+        return strategy.distribute_datasets_from_function(data)
+
+    def unknown_length(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        # Workers' datasets may hold different numbers of batches, and Keras would run as
+        # many steps as the local one has: a worker that stops early leaves the others
+        # waiting in a collective. With the length hidden, every epoch ends where all
+        # workers agree the data has ended (get_next_as_optional).
+        return data(context).filter(lambda *_: True)
+
+    return strategy.distribute_datasets_from_function(unknown_length)
+
+
+class EpochOrder:
+    """Arrays as a dataset shuffled with a permutation fixed by (seed, epoch).
+
+    Keras shuffles arrays with an unseeded ``tf.random.shuffle``, so a run resumed from a
+    checkpoint sees other batches in its first epoch than the run it continues. With a
+    checkpoint folder, ``fit`` gives Keras this dataset instead (the same batches as Keras's
+    array adapter would make, last partial batch included); the checkpoint callback sets
+    :attr:`epoch` before each epoch's iterator is created.
+
+    Args:
+        arrays: ``(x, y, sample_weight)``, any of them nested structures of arrays.
+        batch_size: Global batch size (None: Keras's default, 32).
+        seed: Seed of the permutations.
+    """
+
+    def __init__(self, arrays: tuple[Any, Any, Any], batch_size: int | None, seed: int = 0):
+        import numpy as np
+
+        self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="data_epoch")
+        x, y, sample_weight = arrays
+        parts = tuple(p for p in (x, y, sample_weight) if p is not None)
+        tensors = tf.nest.map_structure(lambda a: tf.convert_to_tensor(np.asarray(a)), parts)
+        count = int(tf.shape(tf.nest.flatten(tensors)[0])[0])
+        batch = 32 if batch_size is None else int(batch_size)
+        epoch = self.epoch
+
+        def permutation(_: tf.Tensor) -> tf.Tensor:
+            seeds = tf.stack([tf.constant(seed, tf.int64), epoch.read_value()])
+            return tf.random.experimental.stateless_shuffle(tf.range(count, dtype=tf.int64), seeds)
+
+        def gather(indices: tf.Tensor, data: Any) -> Any:
+            return tf.nest.map_structure(lambda t: tf.gather(t, indices), data)
+
+        order = tf.data.Dataset.range(1).map(permutation)
+        order = order.flat_map(lambda idx: tf.data.Dataset.from_tensor_slices(idx).batch(batch))
+        dataset = tf.data.Dataset.zip((order, tf.data.Dataset.from_tensors(tensors).repeat()))
+        dataset = dataset.map(gather, num_parallel_calls=tf.data.AUTOTUNE)
+        # flat_map hides the length; Keras needs it to count each epoch's steps.
+        dataset = dataset.apply(tf.data.experimental.assert_cardinality(-(-count // batch)))
+        options = tf.data.Options()
+        # The permutation reads a variable (the epoch): state outside the dataset's graph.
+        options.experimental_external_state_policy = (
+            tf.data.experimental.ExternalStatePolicy.IGNORE
         )
-    )
+        options.experimental_distribute.auto_shard_policy = (
+            tf.data.experimental.AutoShardPolicy.DATA
+        )
+        self.dataset = dataset.with_options(options).prefetch(tf.data.AUTOTUNE)

@@ -1,73 +1,32 @@
-"""``tfscale.fit``: train a compiled Keras model on every device, correctly, with one call."""
+"""``tfscale.fit``: ``model.fit``'s call, with tfscale's correct update on every replica.
+
+``tfscale.fit(model, ...)`` takes ``model.fit``'s arguments with their meaning, prepares the
+model (``prepare.py``) and lets Keras run the loop, so data adapters, epochs, callbacks,
+validation and History are Keras's own. What it adds around that loop: tfscale's options,
+checkpoints that resume mid-epoch, a stop with the update number on a non-finite loss, a
+progress bar on the chief worker only, ``dataset_fn`` inputs, and ParameterServerStrategy.
+"""
 
 from __future__ import annotations
 
-import math
+import contextlib
+import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import keras
 import tensorflow as tf
 
-from tfscale.errors import TfscaleWarning, TrainingError, explain
-from tfscale.training.callbacks import make_callbacks, wants_batch_logs, wants_timings
-from tfscale.training.checkpoint import CheckpointConfig, Checkpointer, TrainingCounters
+from tfscale.errors import TrainingError, explain
+from tfscale.training.callbacks import ExactSteps, NonFiniteGuard, is_chief
+from tfscale.training.checkpoint import CheckpointCallback, CheckpointConfig
 from tfscale.training.coordinator import fit_with_coordinator, is_parameter_server
-from tfscale.training.data import InputPipeline, make_input
-from tfscale.training.precision import resolve_precision
-from tfscale.training.trainer import Trainer, _check_model
+from tfscale import internals
+from tfscale.training.data import EpochOrder, distributed_input, is_dataset_fn, num_workers
+from tfscale.training.prepare import check_model, prepare, prepared, resolve_strategy
 
-__all__ = ["fit", "resolve_strategy"]
-
-
-def resolve_strategy(model: Any, strategy: tf.distribute.Strategy | None) -> Any:
-    """The strategy to train with: explicit, else the current scope's, else the model's,
-    else ``tfscale.choose_strategy()`` (the default strategy while that is unavailable)."""
-    if strategy is not None:
-        return strategy
-    if tf.distribute.has_strategy():
-        return tf.distribute.get_strategy()
-    own = getattr(model, "_distribute_strategy", None)
-    if own is not None:
-        return own
-    try:
-        from tfscale.strategy import choose_strategy
-    except ImportError:
-        return tf.distribute.get_strategy()
-    return choose_strategy().strategy
-
-
-def _ensure_scope(model: Any, strategy: tf.distribute.Strategy) -> Any:
-    """Returns a model whose variables ``strategy`` distributes, repairing it if needed."""
-    outside = [
-        v
-        for v in model.variables
-        if not strategy.extended.variable_created_in_scope(getattr(v, "value", v))
-    ]
-    if not outside:
-        return model
-    try:
-        from tfscale.scope import fix_scope
-    except ImportError:
-        raise TrainingError(
-            explain(
-                f"{len(outside)} variables of the model were created outside the strategy's "
-                f"scope (first: {outside[0].path}).",
-                received=f"model {model.name!r} built outside strategy.scope()",
-                fix="build and compile it inside the scope:\n"
-                "    with strategy.scope():\n"
-                "        model = build_model()",
-            )
-        ) from None
-    warnings.warn(
-        f"{len(outside)} variables of model {model.name!r} were created outside the "
-        "strategy's scope; tfscale.fit trains a copy rebuilt in the scope (fix_scope) and "
-        "copies its weights back. Build the model inside strategy.scope() to avoid this.",
-        TfscaleWarning,
-        stacklevel=3,
-    )
-    return fix_scope(model, strategy)
+__all__ = ["fit"]
 
 
 def _checkpoint_config(checkpoint_dir: Any) -> CheckpointConfig | None:
@@ -76,91 +35,193 @@ def _checkpoint_config(checkpoint_dir: Any) -> CheckpointConfig | None:
     return CheckpointConfig(str(checkpoint_dir))
 
 
-def _steps_per_epoch(
-    steps_per_epoch: int | None, pipeline: InputPipeline, accumulation_steps: int
-) -> int | None:
-    if steps_per_epoch is not None:
-        if isinstance(steps_per_epoch, bool) or int(steps_per_epoch) < 1:
+def _from_data(data: Any, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any, Any]:
+    """Reads the ``data=`` alias of tfscale's first API: ``(x, y[, sample_weight])``, a
+    dataset, or ``dataset_fn``."""
+    if data is None:
+        return x, y, sample_weight
+    if x is not None or y is not None or sample_weight is not None:
+        raise TrainingError(
+            explain(
+                "data= is an alias of x (and y, sample_weight); both were given.",
+                received=f"data={type(data).__name__} and x/y/sample_weight",
+                fix="pass either tfscale.fit(model, x, y, ...) or tfscale.fit(model, data=...)",
+            )
+        )
+    if isinstance(data, (tuple, list)) and 2 <= len(data) <= 3:
+        parts = list(data) + [None]
+        return parts[0], parts[1], parts[2]
+    return data, None, None
+
+
+def _check_epochs(epochs: object, initial_epoch: object) -> None:
+    for name, value, low in (("epochs", epochs, 0), ("initial_epoch", initial_epoch, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise TrainingError(
                 explain(
-                    "steps_per_epoch must be a positive integer (optimizer updates).",
-                    received=steps_per_epoch,
-                    allowed="None or an int >= 1",
+                    f"{name} must be an integer >= {low}.",
+                    received=f"{name}={value!r}",
+                    allowed=f"an int >= {low}",
                 )
             )
-        return int(steps_per_epoch)
-    if pipeline.batches_per_epoch is None:
-        return None
-    return math.ceil(pipeline.batches_per_epoch / accumulation_steps)
+
+
+def _check_input(x: Any, steps_per_epoch: int | None) -> None:
+    """Refuses inputs Keras would fail on late or never finish with."""
+    if isinstance(x, (str, bytes, os.PathLike)):
+        raise TrainingError(
+            explain(
+                "tfscale.fit cannot read this data: it is a file name, not the data.",
+                received=repr(x),
+                allowed="arrays, dicts of arrays, a tf.data.Dataset, a generator, a "
+                "keras.utils.PyDataset, or dataset_fn(input_context)",
+                fix="load it first, e.g. tf.data.experimental.make_csv_dataset(path, 32)",
+            )
+        )
+    if (
+        isinstance(x, tf.data.Dataset)
+        and steps_per_epoch is None
+        and int(x.cardinality()) == int(tf.data.INFINITE_CARDINALITY)
+    ):
+        raise TrainingError(
+            explain(
+                "The dataset repeats forever, so an epoch would never end.",
+                received="a dataset with infinite cardinality and steps_per_epoch=None",
+                fix="pass steps_per_epoch=N (steps per epoch), or drop .repeat()",
+            )
+        )
+
+
+@contextlib.contextmanager
+def _expected_end_of_data(config: CheckpointConfig | None, unknown_length: bool) -> Iterator[None]:
+    """Keras warns that "your input ran out of data" whenever an epoch ends because the data
+    ended. Here that is expected: a resumed epoch ends early (its first batches were trained
+    before the interruption), and a multi-worker ``dataset_fn`` hides its length."""
+    resuming = config is not None and tf.train.latest_checkpoint(config.directory) is not None
+    if not resuming and not unknown_length:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Your input ran out of data")
+        yield
+
+
+@contextlib.contextmanager
+def _steps_per_execution(model: Any, value: int | None) -> Iterator[None]:
+    """Runs ``value`` steps per call of the train function for this call only."""
+    if value is None:
+        yield
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise TrainingError(
+            explain(
+                "steps_per_execution must be a positive integer.",
+                received=f"steps_per_execution={value!r}",
+                allowed="an int >= 1, or None for compile()'s value",
+            )
+        )
+    saved = model.steps_per_execution
+    model.steps_per_execution = value
+    try:
+        yield
+    finally:
+        model.steps_per_execution = saved
 
 
 def fit(
     model: Any,
-    data: Any,
-    *,
-    epochs: int = 1,
+    x: Any = None,
+    y: Any = None,
     batch_size: int | None = None,
+    epochs: int = 1,
+    verbose: int | str = "auto",
+    callbacks: Sequence[Any] | None = None,
+    validation_split: float = 0.0,
+    validation_data: Any = None,
+    shuffle: bool | str = True,
+    class_weight: dict[int, float] | None = None,
+    sample_weight: Any = None,
+    initial_epoch: int = 0,
     steps_per_epoch: int | None = None,
+    validation_steps: int | None = None,
+    validation_batch_size: int | None = None,
+    validation_freq: int = 1,
+    *,
+    data: Any = None,
+    strategy: tf.distribute.Strategy | None = None,
     accumulation_steps: int = 1,
-    steps_per_execution: int = 1,
+    steps_per_execution: int | None = None,
     mixed_precision: str | None = None,
     clipnorm: float | None = None,
     remat: bool = False,
-    jit_compile: bool = False,
-    validation_data: Any = None,
-    callbacks: Sequence[Any] | None = None,
+    jit_compile: bool | None = None,
+    sync_batchnorm: bool = False,
     checkpoint_dir: str | CheckpointConfig | None = None,
-    strategy: tf.distribute.Strategy | None = None,
-    verbose: int | str = "auto",
 ) -> keras.callbacks.History:
-    """Trains a compiled Keras model over every replica of a strategy.
+    """Trains a compiled Keras model over every replica of a strategy, as ``model.fit`` would
+    on one device.
 
-    The result equals training on one device with the same global batch: each update
-    is the mean gradient over all its examples, all-reduced once per update, clipped by
-    the global norm after the all-reduce, and applied once.
+    Every argument up to ``validation_freq`` is ``keras.Model.fit``'s, with its meaning
+    (arrays, dicts, ``tf.data``, generators, ``keras.utils.PyDataset``, x-only inputs; Keras
+    runs the loop). ``x`` may also be ``dataset_fn(input_context)`` returning per-replica
+    batches. Each update is the mean gradient over all its examples, all-reduced once,
+    clipped by the global norm after the all-reduce and applied by the model's optimizer.
 
     Args:
-        model: A compiled Keras model (its optimizer, loss and metrics are used).
-        data: A ``tf.data.Dataset`` (batched, or unbatched with ``batch_size``), a tuple
-            ``(x, y)`` / ``(x, y, sample_weight)`` of arrays (shuffled per epoch with a fixed
-            seed), or ``dataset_fn(input_context)`` returning per-replica batches.
-        epochs: Epochs to train (a resumed run continues up to this number).
-        batch_size: GLOBAL examples of one micro-step (arrays default to 32).
-        steps_per_epoch: Optimizer updates per epoch; None is one pass over the data.
-        accumulation_steps: Micro-batches per optimizer update; the update's batch is
-            ``batch_size * accumulation_steps``.
-        steps_per_execution: Updates per compiled-function call.
-        mixed_precision: None, ``"bf16"`` or ``"fp16"`` (dynamic loss scaling).
+        model: A compiled Keras model, built inside or outside the strategy's scope; it
+            (and its optimizer) holds the trained state afterwards.
+        x: Inputs, as ``model.fit``; or ``dataset_fn``.
+        y: Targets, as ``model.fit``.
+        batch_size: GLOBAL examples per step (per micro-batch with accumulation).
+        epochs: As ``model.fit``.
+        verbose: As ``model.fit``; only the chief worker prints.
+        callbacks: Keras callbacks; they see ``model.fit``'s protocol.
+        validation_split: As ``model.fit``.
+        validation_data: As ``model.fit`` (evaluated on all replicas).
+        shuffle: As ``model.fit``.
+        class_weight: As ``model.fit``.
+        sample_weight: As ``model.fit``.
+        initial_epoch: As ``model.fit``.
+        steps_per_epoch: As ``model.fit`` (steps are batches; with accumulation an update
+            takes ``accumulation_steps`` of them).
+        validation_steps: As ``model.fit``.
+        validation_batch_size: As ``model.fit``.
+        validation_freq: As ``model.fit``.
+        data: The first tfscale API's input, an alias: ``(x, y[, sample_weight])``, a
+            dataset or ``dataset_fn``.
+        strategy: The strategy; None takes the current scope's, the model's own, or
+            ``tfscale.choose_strategy()``.
+        accumulation_steps: Batches per optimizer update (see :func:`tfscale.prepare`).
+        steps_per_execution: Steps per compiled call for this fit; None keeps compile()'s.
+        mixed_precision: None, ``"bf16"`` or ``"fp16"``.
         clipnorm: Clip the all-reduced gradient to this global norm.
         remat: Recompute activations in the backward pass to save memory.
-        jit_compile: Compile each replica's forward and backward pass with XLA.
-        validation_data: Data as for ``data``, evaluated on all replicas after each epoch.
-        callbacks: Keras callbacks.
+        jit_compile: XLA for each replica's forward and backward pass; None keeps
+            compile()'s choice.
+        sync_batchnorm: Normalize with the whole global batch's statistics.
         checkpoint_dir: Folder (or :class:`CheckpointConfig`) to save to every epoch and
-            every N updates, and to resume from.
-        strategy: The strategy; None takes the current scope's, the model's, or
-            ``tfscale.choose_strategy()``.
-        verbose: ``"auto"``/1 progress bar, 2 one line per epoch, 0 silent (chief only).
+            every N steps, and to resume from, mid-epoch included.
 
     Returns:
         The ``keras.callbacks.History`` of the run.
 
     Raises:
-        TrainingError: The model is not compiled, the global batch does not split over the
-            replicas, a setting is invalid or the data cannot be read.
-        NonFiniteLossError: The loss became NaN or infinite (the step number is given).
+        TrainingError: The model is not compiled, or an argument is invalid (the message
+            says which and how to fix it).
+        NonFiniteLossError: The loss became NaN or infinite (the update number is given);
+            with a ``keras.callbacks.TerminateOnNaN`` among the callbacks, training stops
+            instead and the History is returned.
     """
-    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-        raise TrainingError(
-            explain("epochs must be a positive integer.", received=epochs, allowed="int >= 1")
-        )
-    user_model = model
+    _check_epochs(epochs, initial_epoch)
+    x, y, sample_weight = _from_data(data, x, y, sample_weight)
+    check_model(model)
+    _check_input(x, steps_per_epoch)
     strategy = resolve_strategy(model, strategy)
     config = _checkpoint_config(checkpoint_dir)
     if is_parameter_server(strategy):
         return fit_with_coordinator(
             model,
-            data,
+            x if y is None else (x, y) if sample_weight is None else (x, y, sample_weight),
             strategy=strategy,
             epochs=epochs,
             batch_size=batch_size,
@@ -169,125 +230,72 @@ def fit(
             checkpoint_dir=None if config is None else config.directory,
             verbose=verbose,
             accumulation_steps=accumulation_steps,
-            steps_per_execution=steps_per_execution,
+            steps_per_execution=steps_per_execution or 1,
             mixed_precision=mixed_precision,
             clipnorm=clipnorm,
             remat=remat,
-            jit_compile=jit_compile,
+            jit_compile=bool(jit_compile),
             validation_data=validation_data,
         )
-    precision = resolve_precision(mixed_precision)
-    Trainer._validate_counts(accumulation_steps, steps_per_execution)
-    _check_model(user_model)
-    model = _ensure_scope(user_model, strategy)
-    pipeline = make_input(
-        data, batch_size=batch_size, strategy=strategy, steps_per_epoch=steps_per_epoch
-    )
-    trainer = Trainer(
+    prepare(
         model,
         strategy,
-        sample_batch=pipeline.sample(),
-        precision=precision,
         accumulation_steps=accumulation_steps,
-        steps_per_execution=steps_per_execution,
         clipnorm=clipnorm,
+        mixed_precision=mixed_precision,
         remat=remat,
         jit_compile=jit_compile,
-        nominal_batch=pipeline.global_batch,
+        sync_batchnorm=sync_batchnorm,
     )
-    validation = None
-    if validation_data is not None:
-        validation = make_input(validation_data, batch_size=batch_size, strategy=strategy)
-    steps = _steps_per_epoch(steps_per_epoch, pipeline, accumulation_steps)
-    callback_list = make_callbacks(
-        callbacks, model=model, strategy=strategy, verbose=verbose, epochs=epochs, steps=steps
-    )
-    trainer.record_timings = wants_timings(callback_list.callbacks)
-    with strategy.scope():
-        counters = TrainingCounters()
-    checkpointer = None
+    order = None
+    if config is not None and shuffle is True and internals.is_array_input(x, y, sample_weight):
+        # Resumable: the same shuffled batches in a resumed epoch (training/checkpoint.py).
+        if validation_split and validation_data is None:
+            (x, y, sample_weight), validation_data = internals.train_validation_split(
+                (x, y, sample_weight), validation_split
+            )
+            validation_split = 0.0
+        order = EpochOrder((x, y, sample_weight), batch_size)
+        x, y, sample_weight, batch_size, shuffle = order.dataset, None, None, None, False
+    from_function = is_dataset_fn(x)
+    x = distributed_input(x, strategy)
+    if validation_data is not None and not isinstance(validation_data, (tuple, list)):
+        validation_data = distributed_input(validation_data, strategy)
+    callback_list = list(callbacks or [])
+    state = prepared(model)
+    assert state is not None
+    # A callback that asks for them (tfscale.ProfileCallback) reads the train function's
+    # per-call fetch and step seconds.
+    state.time_steps(any(getattr(c, "tfscale_wants_timings", False) for c in callback_list))
+    if not any(isinstance(c, keras.callbacks.TerminateOnNaN) for c in callback_list):
+        loss_scaled = isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+        # Under loss scaling skipping an overflow is the normal course (the scale adapts).
+        callback_list.append(NonFiniteGuard(None if loss_scaled else state.update.skipped))
+    callback_list.append(ExactSteps())
     if config is not None:
-        extra = {} if trainer.loss_scale is None else {"loss_scale": trainer.loss_scale.scale}
-        checkpointer = Checkpointer(
-            config,
-            strategy,
-            model=model,
-            optimizer=trainer.optimizer,
-            epoch=counters.epoch,
-            step=counters.step,
-            batches_in_epoch=counters.batches_in_epoch,
-            **extra,
+        data_epoch = None if order is None else order.epoch
+        callback_list.insert(0, CheckpointCallback(config, strategy, data_epoch=data_epoch))
+    if not is_chief(strategy):
+        verbose = 0
+    with _steps_per_execution(model, steps_per_execution), _expected_end_of_data(
+        config, from_function and num_workers(strategy) > 1
+    ):
+        history: keras.callbacks.History = model.fit(
+            x=x,
+            y=y,
+            batch_size=batch_size,
+            epochs=epochs,
+            verbose=verbose,
+            callbacks=callback_list,
+            validation_split=validation_split,
+            validation_data=validation_data,
+            shuffle=shuffle,
+            class_weight=class_weight,
+            sample_weight=sample_weight,
+            initial_epoch=initial_epoch,
+            steps_per_epoch=steps_per_epoch,
+            validation_steps=validation_steps,
+            validation_batch_size=validation_batch_size,
+            validation_freq=validation_freq,
         )
-        checkpointer.restore()
-    _run(trainer, pipeline, validation, callback_list, counters, checkpointer, epochs, steps)
-    if model is not user_model:
-        user_model.set_weights(model.get_weights())
-    history: keras.callbacks.History = callback_list._history
     return history
-
-
-def _run(
-    trainer: Trainer,
-    pipeline: InputPipeline,
-    validation: InputPipeline | None,
-    callbacks: keras.callbacks.CallbackList,
-    counters: TrainingCounters,
-    checkpointer: Checkpointer | None,
-    epochs: int,
-    steps: int | None,
-) -> None:
-    model = trainer.model
-    model.stop_training = False
-    step = last_saved = trainer.updates = int(counters.step.numpy())
-    first_epoch = int(counters.epoch.numpy())
-    skip = int(counters.batches_in_epoch.numpy())
-
-    def save(epoch_done: int, batches: int) -> None:
-        # Counters are plain Python ints in the loop (no eager op per step) until a save.
-        counters.step.assign(step)
-        counters.epoch.assign(epoch_done)
-        counters.batches_in_epoch.assign(batches)
-        if checkpointer is not None:
-            checkpointer.save(step)
-
-    callbacks.on_train_begin()
-    k = trainer.accumulation_steps
-    batch_logs_wanted = wants_batch_logs(callbacks.callbacks)
-    for epoch in range(first_epoch, epochs):
-        callbacks.on_epoch_begin(epoch)
-        trainer.reset()
-        iterator = iter(pipeline.distributed(epoch, skip))
-        done_in_epoch, batches, skip = skip // k, skip, 0
-        logs: dict[str, Any] = {}
-        called = False  # epoch logs once the train function ran (as before)
-        while steps is None or done_in_epoch < steps:
-            want = trainer.steps_per_execution
-            if steps is not None:
-                want = min(want, steps - done_in_epoch)
-            callbacks.on_train_batch_begin(done_in_epoch)
-            done, exhausted, logs = trainer.train(iterator, want, logs=batch_logs_wanted)
-            called = True
-            done_in_epoch += done
-            batches += done * k
-            step += done
-            if done:
-                batch_logs = dict(logs)
-                if trainer.record_timings and trainer.timings:
-                    batch_logs["fetch_seconds"] = trainer.timings[-1].fetch_seconds
-                    batch_logs["step_seconds"] = trainer.timings[-1].step_seconds
-                callbacks.on_train_batch_end(done_in_epoch - 1, batch_logs)
-            if checkpointer is not None and checkpointer.due(step, last_saved):
-                save(epoch, batches)
-                last_saved = step
-            if exhausted or model.stop_training:
-                break
-        epoch_logs = trainer.epoch_logs() if called else {}
-        if validation is not None:
-            val = trainer.evaluate(validation.distributed(0))
-            epoch_logs.update({f"val_{name}": value for name, value in val.items()})
-        save(epoch + 1, 0)
-        last_saved = step
-        callbacks.on_epoch_end(epoch, epoch_logs)
-        if model.stop_training:
-            break
-    callbacks.on_train_end()

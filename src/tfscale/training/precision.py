@@ -1,13 +1,12 @@
-"""Mixed precision: Keras dtype policies and a dynamic loss scale judged on all replicas.
+"""Mixed precision: which Keras dtype policy ``mixed_precision=`` means, applied to a model.
 
-``"bf16"`` needs no loss scaling (bfloat16 has float32's exponent range). ``"fp16"`` scales
-the loss before the backward pass and unscales the gradients after the all-reduce. Because
-the check runs on the *all-reduced* gradients, an overflow on any one replica makes the sum
-non-finite on every replica, so all replicas skip the same update: the finiteness flag is
-all-reduced for free inside the gradient all-reduce. Keras's ``LossScaleOptimizer`` instead
-reads the flag of the first replica's gradients before they are reduced (see
-``keras/src/optimizers/loss_scale_optimizer.py``, ``_tf_apply``), so an overflow on another
-replica is applied.
+``"bf16"`` needs no loss scaling (bfloat16 has float32's exponent range). ``"fp16"`` wraps the
+optimizer in Keras's ``LossScaleOptimizer`` (``prepare.py``), as ``compile()`` does under a
+``mixed_float16`` policy. Under a strategy Keras's ``LossScaleOptimizer`` reads the finiteness
+of the first replica's gradients before they are reduced
+(``keras/src/optimizers/loss_scale_optimizer.py``, ``_tf_apply``); behind tfscale's
+distributed update it sees the all-reduced gradients, so an overflow on any replica makes
+every replica skip the same update.
 """
 
 from __future__ import annotations
@@ -15,11 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import tensorflow as tf
-
+from tfscale import internals
 from tfscale.errors import TrainingError, explain
 
-__all__ = ["DynamicLossScale", "Precision", "apply_policy", "resolve_precision"]
+__all__ = ["Precision", "apply_policy", "resolve_precision"]
 
 _POLICIES = {"bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
 _ALIASES = {
@@ -46,7 +44,7 @@ class Precision:
 
 
 def resolve_precision(mixed_precision: str | None) -> Precision:
-    """Turns ``fit(mixed_precision=...)`` into a :class:`Precision`.
+    """Turns ``mixed_precision=`` into a :class:`Precision`.
 
     Raises:
         TrainingError: An unknown value.
@@ -60,7 +58,7 @@ def resolve_precision(mixed_precision: str | None) -> Precision:
                 "Unknown mixed_precision setting.",
                 received=mixed_precision,
                 allowed='None, "bf16" or "fp16"',
-                fix='tfscale.fit(model, data, mixed_precision="bf16")',
+                fix='tfscale.fit(model, x, y, mixed_precision="bf16")',
             )
         )
     return Precision(key, _POLICIES[key], key == "fp16")
@@ -75,31 +73,6 @@ def apply_policy(model: Any, precision: Precision) -> None:
     """
     if precision.policy is None:
         return
-    for layer in model._flatten_layers(include_self=True, recursive=True):
+    for layer in internals.flatten_layers(model):
         if getattr(layer.dtype_policy, "name", None) == "float32":
             layer.dtype_policy = precision.policy
-
-
-class DynamicLossScale:
-    """A loss scale that halves on overflow and doubles after ``growth_steps`` good updates.
-
-    Its two variables are ordinary (mirrored) variables, updated in cross-replica context
-    from a flag that is identical on every replica.
-    """
-
-    def __init__(self, initial: float = 2.0**15, growth_steps: int = 2000) -> None:
-        self.scale = tf.Variable(initial, trainable=False, dtype=tf.float32, name="loss_scale")
-        self.good_steps = tf.Variable(0, trainable=False, dtype=tf.int64, name="good_steps")
-        self.growth_steps = growth_steps
-
-    def update(self, finite: tf.Tensor) -> None:
-        """Records one update: doubles after enough finite ones, halves on overflow."""
-        grow = tf.logical_and(finite, self.good_steps + 1 >= self.growth_steps)
-        new_scale = tf.where(
-            finite,
-            tf.where(grow, self.scale * 2.0, self.scale),
-            tf.maximum(self.scale * 0.5, 1.0),
-        )
-        new_good = tf.where(tf.logical_and(finite, tf.logical_not(grow)), self.good_steps + 1, 0)
-        self.scale.assign(new_scale)
-        self.good_steps.assign(tf.cast(new_good, tf.int64))

@@ -1,0 +1,109 @@
+"""Moving an existing model into a strategy, in place.
+
+A model built (or compiled, or trained) outside ``strategy.scope()`` has plain variables on
+one device. Instead of rebuilding it as a copy (``tfscale.fix_scope``), each Keras variable
+gets a new distributed ``tf.Variable`` behind it with the same value, created the way Keras
+creates it (``internals.reinitialize_variable``). The model, its layers, its optimizer and
+anything holding them keep the same objects, so the user's model and optimizer hold the
+trained state afterwards and a second ``fit`` continues the optimizer (Adam's moments and
+``iterations``) where the first stopped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from tfscale import internals
+from tfscale.errors import TrainingError, explain
+
+__all__ = ["adopt", "model_optimizers", "outside_variables"]
+
+
+def model_optimizers(model: Any) -> list[Any]:
+    """The model's optimizer and every optimizer held as one of its attributes (a GAN's)."""
+    found: dict[int, Any] = {}
+
+    def add(value: Any) -> None:
+        if isinstance(value, keras.optimizers.Optimizer):
+            found.setdefault(id(value), value)
+
+    add(getattr(model, "optimizer", None))
+    for value in list(vars(model).values()):
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                add(item)
+        elif isinstance(value, dict):
+            for item in value.values():
+                add(item)
+        else:
+            add(value)
+    return list(found.values())
+
+
+def _variables(model: Any) -> list[Any]:
+    seen: dict[int, Any] = {}
+    groups: list[Iterable[Any]] = [model.variables, model.metrics_variables]
+    for optimizer in model_optimizers(model):
+        groups.append(optimizer.variables)
+    for group in groups:
+        for variable in group:
+            seen.setdefault(id(variable), variable)
+    return list(seen.values())
+
+
+def outside_variables(model: Any, strategy: tf.distribute.Strategy) -> list[Any]:
+    """The model's variables (weights, metrics, optimizer state) ``strategy`` does not hold."""
+    return [
+        v
+        for v in _variables(model)
+        if not strategy.extended.variable_created_in_scope(internals.distributed_container(v))
+    ]
+
+
+def _value_for(variable: Any) -> Any:
+    container = internals.distributed_container(variable)
+    if container.synchronization == tf.VariableSynchronization.ON_READ:
+        # Sync-on-read state (metrics) sums its replicas when read; it restarts from zero,
+        # as fit resets metrics at every epoch anyway.
+        return tf.zeros(container.shape, container.dtype)
+    return container.numpy()
+
+
+def adopt(model: Any, strategy: tf.distribute.Strategy) -> int:
+    """Makes ``strategy`` hold every variable of ``model``, keeping values and objects.
+
+    Returns:
+        How many variables were moved.
+
+    Raises:
+        TrainingError: A variable is a plain ``tf.Variable`` that Keras did not create (it
+            cannot be moved; the model must be built inside the scope).
+    """
+    outside = outside_variables(model, strategy)
+    foreign = [v for v in outside if not isinstance(v, keras.Variable)]
+    if foreign:
+        raise TrainingError(
+            explain(
+                f"{len(foreign)} variables of model {model.name!r} are plain tf.Variables "
+                "created outside the strategy's scope, which tfscale cannot move.",
+                received=[getattr(v, "name", str(v)) for v in foreign[:3]],
+                fix="build the model inside the scope:\n"
+                "    with strategy.scope():\n"
+                "        model = build_model()",
+            )
+        )
+    if outside:
+        values = [_value_for(v) for v in outside]
+        with strategy.scope(), tf.init_scope():
+            for variable, value in zip(outside, values, strict=True):
+                internals.reinitialize_variable(variable, value)
+    internals.set_model_strategy(model, strategy)
+    for optimizer in model_optimizers(model):
+        internals.set_optimizer_strategy(optimizer, strategy)
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            internals.set_optimizer_strategy(optimizer.inner_optimizer, strategy)
+    return len(outside)

@@ -1,0 +1,296 @@
+"""The functions Keras's ``fit`` and ``evaluate`` call on a prepared model.
+
+Keras composes its train function as one step on data -> several steps on an iterator ->
+a Python function over the iterator (``keras/src/backend/tensorflow/trainer.py``,
+``make_train_function``); this is the same composition with three changes::
+
+    StepFunction(iterator)                     Python: skip on resume, timing hook, end of data
+      multi_step(iterator)   tf.function       up to steps_per_execution steps; single worker:
+                                               get_next; several: get_next_as_optional, whose
+                                               emptiness every worker agrees on
+        one_step(data)                         cross-replica: strategy.run(replica_step)
+          replica_step(data)                   the model's own train_step / test_step, with
+                                               its example count for the optimizer
+                                               (optimizer.step_context), losses unscaled by
+                                               the replica count, layer calls recomputed or
+                                               compiled with XLA (layercalls)
+      logs                                     the model's metrics read over ALL replicas when
+                                               the step returns them (as one device gives),
+                                               else the step's outputs reduced as Keras does
+
+The per-replica step is the model's (user overrides included), so everything the step does
+is honoured; the distributed update itself is the optimizer's (``optimizer.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import keras
+import tensorflow as tf
+
+from tfscale import internals
+from tfscale.errors import TrainingError, explain
+from tfscale.training.data import num_workers
+from tfscale.training.layercalls import layer_calls
+from tfscale.training.optimizer import step_context
+
+__all__ = ["StepFunction", "StepTiming", "example_count"]
+
+Kind = Literal["train", "test"]
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """Wall time of one call of the train function, measured when timings are asked for.
+
+    Attributes:
+        fetch_seconds: Time blocked getting the call's batches from the input.
+        step_seconds: Time of the steps themselves, until their logs were on the host.
+    """
+
+    fetch_seconds: float
+    step_seconds: float
+
+
+def _leading(value: Any) -> tf.Tensor:
+    if isinstance(value, tf.SparseTensor):
+        return value.dense_shape[0]
+    if isinstance(value, tf.RaggedTensor):
+        return value.nrows()
+    return tf.shape(value)[0]
+
+
+def example_count(data: Any) -> tf.Tensor:
+    """Examples in one replica's batch: the leading dimension of its first input."""
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+    first = next((t for t in tf.nest.flatten(x) if t is not None), None)
+    if first is None:
+        return tf.constant(0.0)
+    return tf.cast(_leading(first), tf.float32)
+
+
+@contextlib.contextmanager
+def _unprepared_optimizers_refused() -> Iterator[None]:
+    """Makes an optimizer that tfscale did not prepare fail loudly inside a traced step.
+
+    Losses in the step are per-replica means (unscaled by the replica count), so an
+    optimizer doing Keras's own all-reduce would sum them: N times the gradient.
+    Prepared optimizers have the all-reduce replaced on the instance, which wins over this.
+    """
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    def refuse(self: Any, grads_and_vars: Any) -> Any:
+        raise TrainingError(
+            explain(
+                f"The train_step applies gradients with optimizer {self.name!r}, which "
+                "tfscale did not prepare, so its update would not be averaged over replicas.",
+                received=f"{type(self).__name__} {self.name!r} used inside train_step",
+                allowed="the model's optimizer, or optimizers held as attributes of the model",
+                fix="keep every optimizer the train_step uses as an attribute of the model "
+                "(self.d_optimizer = ...) before tfscale.fit / tfscale.prepare.",
+            )
+        )
+
+    saved = TFOptimizer.__dict__["_all_reduce_sum_gradients"]
+    TFOptimizer._all_reduce_sum_gradients = refuse
+    try:
+        yield
+    finally:
+        TFOptimizer._all_reduce_sum_gradients = saved
+
+
+class StepFunction:
+    """The callable Keras stores as ``model.train_function`` (or ``test_function``).
+
+    Args:
+        model: The prepared model.
+        kind: ``"train"`` or ``"test"``.
+        options: The model's tfscale options (``prepare.Options``).
+        all_reduce: False runs the same step without the gradient all-reduce (profiling).
+        steps_per_execution: Steps per call; None takes the model's (compile()'s).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        kind: Kind,
+        options: Any,
+        *,
+        all_reduce: bool = True,
+        steps_per_execution: int | None = None,
+    ) -> None:
+        self.model = model
+        self.kind = kind
+        self.options = options
+        self.all_reduce = all_reduce
+        self.strategy = model.distribute_strategy
+        self.steps_per_execution = int(steps_per_execution or model.steps_per_execution)
+        self.single_worker = num_workers(self.strategy) == 1
+        self.record_timings = False
+        self.timings: list[StepTiming] = []
+        self.skip = 0  # batches to drop before the next step (a resumed epoch)
+        # Steps the next call may run at most (set from the epoch's remaining steps by
+        # ExactSteps: Keras's own function runs whole executions past steps_per_epoch).
+        self.limit: int | None = None
+        self._metric_keys: set[str] | None = None
+        # On one worker a step is its own function, so that the first step and the loop's
+        # steps share one trace (as Keras's one_step_on_data does). Under
+        # MultiWorkerMirroredStrategy a function holding collectives fails when called inside
+        # a cond ("You must feed a value for placeholder tensor 'cond/.../Placeholder'"), so
+        # there the step is traced inline.
+        self._step = (
+            tf.function(self._one_step, autograph=False, reduce_retracing=True)
+            if self.single_worker
+            else self._one_step
+        )
+        self._multi = tf.function(self._multi_step, autograph=False, reduce_retracing=True)
+        self._on_batches = tf.function(
+            self._steps_on_batches, autograph=False, reduce_retracing=True
+        )
+
+    # -- per replica ---------------------------------------------------------------------
+    def _replica_step(self, data: Any) -> Any:
+        model = self.model
+        if self.kind == "test":
+            return model.test_step(data)
+        with step_context(example_count(data), all_reduce=self.all_reduce) as context:
+            outputs = model.train_step(data)
+        if context.applied == 0 and self.options.accumulation_steps > 1:
+            raise TrainingError(
+                explain(
+                    "accumulation_steps > 1 needs the train_step to apply its gradients "
+                    "with the model's optimizer (optimizer.apply_gradients), which this "
+                    "train_step never calls.",
+                    received=f"{type(model).__name__}.train_step, "
+                    f"accumulation_steps={self.options.accumulation_steps}",
+                    fix="apply gradients with self.optimizer.apply_gradients(...) in "
+                    "train_step, or train with accumulation_steps=1.",
+                )
+            )
+        return outputs
+
+    # -- cross-replica -------------------------------------------------------------------
+    def _one_step(self, data: Any) -> Any:
+        options = self.options
+        jit = bool(options.jit_compile)
+        remat = bool(options.remat) and self.kind == "train"
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(internals.replica_count_scaling_off())
+            stack.enter_context(layer_calls(self.model, remat=remat, jit_compile=jit))
+            if self.kind == "train":
+                stack.enter_context(_unprepared_optimizers_refused())
+            outputs = self.strategy.run(self._replica_step, args=(data,))
+        if self._returns_metrics(outputs):
+            return {}  # the logs are the metrics, read once at the end of the call
+        return internals.reduce_per_replica(outputs, self.strategy)
+
+    def _returns_metrics(self, outputs: Any) -> bool:
+        if self._metric_keys is None:
+            # The keys only: traced in a throwaway graph, nothing runs.
+            spec = tf.function(self.model.get_metrics_result).get_concrete_function()
+            self._metric_keys = set(spec.structured_outputs)
+        return isinstance(outputs, dict) and set(outputs) == self._metric_keys
+
+    def _logs(self, outputs: Any) -> Any:
+        if isinstance(outputs, dict) and not outputs:
+            return self.model.get_metrics_result()  # cross-replica: every replica's state
+        return outputs
+
+    def _multi_step(self, iterator: Any, limit: tf.Tensor) -> tuple[tf.Tensor, Any]:
+        if self.steps_per_execution == 1 and self.single_worker:
+            # The end of the data is an OutOfRangeError, as in Keras's own function.
+            return tf.constant(1), self._logs(self._step(iterator.get_next()))
+        first = iterator.get_next_as_optional()
+        shapes: list[Any] = []
+
+        def run_first() -> tuple[tf.Tensor, Any]:
+            outputs = self._step(first.get_value())
+            shapes.append(tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), outputs))
+            return tf.constant(1), outputs
+
+        def none() -> tuple[tf.Tensor, Any]:
+            return tf.constant(0), tf.nest.map_structure(
+                lambda spec: tf.zeros([d or 0 for d in spec.shape], spec.dtype), shapes[0]
+            )
+
+        done, outputs = tf.cond(first.has_value(), run_first, none)
+        if self.steps_per_execution > 1:
+
+            def more(count: tf.Tensor, going: tf.Tensor, _: Any) -> tf.Tensor:
+                return tf.logical_and(going, count < limit)
+
+            def body(count: tf.Tensor, going: tf.Tensor, last: Any) -> Any:
+                optional = iterator.get_next_as_optional()
+                return tf.cond(
+                    optional.has_value(),
+                    lambda: (count + 1, tf.constant(True), self._step(optional.get_value())),
+                    lambda: (count, tf.constant(False), last),
+                )
+
+            done, _, outputs = tf.while_loop(
+                more,
+                body,
+                (done, done > 0, outputs),
+                shape_invariants=(
+                    tf.TensorShape([]),
+                    tf.TensorShape([]),
+                    tf.nest.map_structure(lambda _: tf.TensorShape(None), outputs),
+                ),
+            )
+        return done, self._logs(outputs)
+
+    def _steps_on_batches(self, batches: tuple[Any, ...]) -> Any:
+        outputs = None
+        for data in batches:
+            outputs = self._step(data)
+        return self._logs(outputs)
+
+    # -- Python --------------------------------------------------------------------------
+    def __call__(self, iterator: Any) -> Any:
+        if not isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+            # train_on_batch / test_on_batch: a generator of undistributed batches.
+            logs = None
+            for data in itertools.islice(iterator, self.steps_per_execution):
+                logs = self._on_batches((data,))
+            return logs
+        while self.skip > 0:
+            self.skip -= 1
+            self._next(iterator)
+        if self.record_timings:
+            return self._timed(iterator)
+        limit = self.steps_per_execution if self.limit is None else self.limit
+        done, logs = self._multi(iterator, tf.constant(limit))
+        if not (self.steps_per_execution == 1 and self.single_worker) and not int(done):
+            raise StopIteration
+        return logs
+
+    def _next(self, iterator: Any) -> Any:
+        if self.single_worker:
+            return iterator.get_next()
+        optional = iterator.get_next_as_optional()
+        if not bool(optional.has_value()):
+            raise StopIteration
+        return optional.get_value()
+
+    def _timed(self, iterator: Any) -> Any:
+        start = time.perf_counter()
+        batches = []
+        try:
+            for _ in range(self.steps_per_execution if self.limit is None else self.limit):
+                batches.append(self._next(iterator))
+        except (StopIteration, tf.errors.OutOfRangeError):
+            if not batches:
+                raise StopIteration from None
+        fetched = time.perf_counter()
+        logs = self._on_batches(tuple(batches))
+        logs = tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, logs)
+        self.timings.append(StepTiming(fetched - start, time.perf_counter() - fetched))
+        return logs
+
+

@@ -1,0 +1,59 @@
+"""What runs in place of layers' ``call`` while a step is traced: recomputation and XLA.
+
+Both act on the layers of the model that the step calls, so they apply to Keras's own
+``train_step`` and to a user's override alike, and leave the loss, the all-reduce and the
+optimizer outside (an all-reduce inside an XLA cluster, or a ``merge_call``, would fail).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import tensorflow as tf
+
+from tfscale import internals
+
+__all__ = ["layer_calls"]
+
+
+def _recomputed(call: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        return tf.recompute_grad(lambda *inner: call(*inner, **kwargs))(*args)
+
+    return wrapped
+
+
+@contextlib.contextmanager
+def layer_calls(model: Any, *, remat: bool, jit_compile: bool) -> Iterator[None]:
+    """Replaces layer calls while the code inside traces a step.
+
+    Args:
+        model: The model the step calls.
+        remat: Recompute each weighted leaf layer's activations in the backward pass.
+            ``keras.RematScope`` only acts on layers created inside it, and under the TF
+            backend in a ``tf.function`` it fails on layers called with keyword arguments
+            (``training=``): "The custom_gradient decorator currently supports keywords
+            arguments only when eager execution is enabled" (keras-team/keras#21207). So each
+            leaf layer's ``call`` is wrapped in ``tf.recompute_grad`` with its keyword
+            arguments bound.
+        jit_compile: Compile the model's forward pass, and with it its gradient, with XLA.
+            Keras compiles its whole step function instead, which under a strategy holds the
+            all-reduce (and ``jit_compile="auto"`` turns XLA off there); here the collectives
+            stay outside the compiled cluster.
+    """
+    replaced: list[Any] = []
+    if remat:
+        for layer in internals.flatten_layers(model, include_self=False):
+            if not internals.flatten_layers(layer, include_self=False) and layer.weights:
+                internals.override(layer, "call", _recomputed(layer.call))
+                replaced.append(layer)
+    if jit_compile:
+        internals.override(model, "call", tf.function(model.call, jit_compile=True))
+        replaced.append(model)
+    try:
+        yield
+    finally:
+        for layer in replaced:
+            internals.restore(layer, "call")

@@ -1,0 +1,399 @@
+"""The distributed update: what a prepared Keras optimizer does when a replica applies gradients.
+
+Horovod's ``DistributedOptimizer`` is the model: the optimizer the user compiled keeps doing
+the update (every Keras optimizer, schedule, weight decay, EMA and ``LossScaleOptimizer``
+works), and tfscale changes only what happens before it, on every replica, per call of
+``optimizer.apply_gradients`` (Keras's ``train_step``, a user's ``train_step`` override, or a
+custom loop under ``strategy.run``)::
+
+    replica r, micro-batch i      w = c_r,i * g_r,i  (c: its examples)   -> += accumulators
+    every k-th micro-batch        [w..., c] -- ONE all-reduce(SUM): dense packed, sparse gathered
+                                  g = sum(w) / sum(c)   (the mean over every example)
+                                  clip by the global norm (tfscale.fit(clipnorm=...))
+                                  all finite? -> the user's optimizer.apply(g)   (its own
+                                                 all-reduce switched off: already reduced)
+                                  else        -> skipped on every replica, counted
+
+The example count ``c`` comes from the step tfscale traced (``step_context``), where losses
+are plain per-replica means (``internals.replica_count_scaling_off``); in a custom loop
+without that context each replica counts ``1 / N``, so the sum is Keras's usual mean of
+replica gradients. Because the finiteness test runs on the reduced gradients, an overflow on
+one replica makes every replica skip the same update, and ``LossScaleOptimizer`` (which reads
+one replica's flag, keras/src/optimizers/loss_scale_optimizer.py ``_tf_apply``) now judges
+the sum. Clipping and Keras's own ``clipnorm`` / ``global_clipnorm`` run after the reduction,
+so they clip the global gradient as on one device.
+
+Branching on the k-th micro-batch or on finiteness and then calling the optimizer inside the
+branch is refused by MirroredStrategy in replica context ("merge_call called while defining a
+new graph", the failure of Keras's own ``gradient_accumulation_steps``); the branch is taken
+in cross-replica context through ``merge_call``, as Keras's ``LossScaleOptimizer`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from tfscale import internals
+from tfscale.errors import TrainingError, explain
+from tfscale.training.allreduce import all_reduce_packed
+
+__all__ = ["DistributedUpdate", "StepContext", "distributed_update", "step_context"]
+
+
+@dataclass
+class StepContext:
+    """What one replica's traced step tells the optimizer (trace time only).
+
+    Attributes:
+        count: This replica's examples in the (micro-)batch, as a float32 tensor.
+        all_reduce: False to apply local gradients (profiling: the same step without
+            communication).
+        applied: Calls of ``apply`` traced so far in this step.
+    """
+
+    count: tf.Tensor | None
+    all_reduce: bool = True
+    applied: int = 0
+
+
+_LOCAL = threading.local()
+
+
+@contextlib.contextmanager
+def step_context(count: tf.Tensor | None, *, all_reduce: bool = True) -> Iterator[StepContext]:
+    """Marks the code traced inside as one replica's step over ``count`` examples.
+
+    MirroredStrategy traces each replica in its own thread, so the context is thread-local.
+    """
+    previous = getattr(_LOCAL, "step", None)
+    context = StepContext(count, all_reduce)
+    _LOCAL.step = context
+    try:
+        yield context
+    finally:
+        _LOCAL.step = previous
+
+
+def _current() -> StepContext | None:
+    return getattr(_LOCAL, "step", None)
+
+
+def _inner(optimizer: Any) -> Any:
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer.inner_optimizer
+    return optimizer
+
+
+def _weighted(gradient: Any, count: tf.Tensor) -> Any:
+    """``count * gradient``, and exactly zero for an empty batch (whose mean may be NaN)."""
+    def scale(values: tf.Tensor) -> tf.Tensor:
+        c = tf.cast(count, values.dtype)
+        return tf.where(c > 0, values * c, tf.zeros_like(values))
+
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(scale(gradient.values), gradient.indices, gradient.dense_shape)
+    return scale(tf.convert_to_tensor(gradient))
+
+
+def _divided(gradient: Any, total: tf.Tensor) -> Any:
+    if isinstance(gradient, tf.IndexedSlices):
+        inverse = tf.cast(1.0 / total, gradient.values.dtype)
+        return tf.IndexedSlices(gradient.values * inverse, gradient.indices, gradient.dense_shape)
+    return gradient * tf.cast(1.0 / total, gradient.dtype)
+
+
+def _all_finite(gradients: Sequence[Any]) -> tf.Tensor:
+    flags = [
+        tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
+        for g in gradients
+        if g is not None
+    ]
+    return tf.reduce_all(tf.stack(flags)) if flags else tf.constant(True)
+
+
+class DistributedUpdate:
+    """tfscale's update installed on one Keras optimizer (see the module docstring).
+
+    Create it with :func:`distributed_update` inside the strategy's scope; it replaces the
+    optimizer instance's ``apply`` (and so ``apply_gradients``) and switches off its built-in
+    all-reduce. Options may be changed between traces (``prepare`` does).
+
+    Attributes:
+        optimizer: The model's optimizer (possibly a ``LossScaleOptimizer``).
+        accumulation_steps: Micro-batches per update.
+        clipnorm: Clip the reduced gradient to this global norm, or None.
+        all_reduce_traces: Gradient all-reduces traced so far (tests and profiling).
+        all_reduce_runs: Gradient all-reduces run (replica 0's count).
+        skipped: Updates skipped because a reduced gradient was not finite.
+    """
+
+    def __init__(self, optimizer: Any, strategy: tf.distribute.Strategy) -> None:
+        self.optimizer = optimizer
+        self.strategy = strategy
+        self.accumulation_steps = 1
+        self.clipnorm: float | None = None
+        self.all_reduce_traces = 0
+        self._original_apply: Callable[..., Any] = type(optimizer).apply.__get__(optimizer)
+        self._accumulators: dict[int, tf.Variable] = {}
+        with strategy.scope():
+            self.all_reduce_runs = self._local_counter("all_reduce_runs", tf.int64)
+            self.skipped = tf.Variable(
+                0,
+                dtype=tf.int64,
+                trainable=False,
+                name="skipped_updates",
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+            )
+            self._micro_batches = self._local_counter("micro_batches", tf.int64)
+            self._count = self._sum_variable(tf.zeros((), tf.float32), "count_accum")
+        internals.override(optimizer, "apply", self.apply)
+        for each in {id(optimizer): optimizer, id(_inner(optimizer)): _inner(optimizer)}.values():
+            internals.disable_builtin_all_reduce(each)
+            internals.set_optimizer_strategy(each, strategy)
+
+    # -- variables -----------------------------------------------------------------------
+    @staticmethod
+    def _local_counter(name: str, dtype: tf.DType) -> tf.Variable:
+        return tf.Variable(
+            tf.zeros((), dtype),
+            trainable=False,
+            name=name,
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+        )
+
+    @staticmethod
+    def _sum_variable(initial: tf.Tensor, name: str) -> tf.Variable:
+        return tf.Variable(
+            initial,
+            trainable=False,
+            name=name,
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.SUM,
+        )
+
+    def build_accumulators(self, variables: Sequence[Any]) -> None:
+        """Creates one local (per-replica) accumulator per variable, for ``k > 1``."""
+        missing = [v for v in variables if id(v) not in self._accumulators]
+        if not missing:
+            return
+        with self.strategy.scope(), tf.init_scope():
+            for variable in missing:
+                dtype = tf.as_dtype(variable.dtype)
+                self._accumulators[id(variable)] = self._sum_variable(
+                    tf.zeros(variable.shape, dtype), "grad_accum"
+                )
+
+    def checkpointed(self) -> tf.train.Checkpoint:
+        """The state a checkpoint must hold: gradients accumulated so far and their count."""
+        return tf.train.Checkpoint(
+            micro_batches=self._micro_batches,
+            count=self._count,
+            accumulators=self.accumulators,
+        )
+
+    def pending_micro_batches(self) -> int:
+        """Micro-batches accumulated towards the next update (0 between updates)."""
+        return int(self._micro_batches.numpy()) % self.accumulation_steps
+
+    @property
+    def accumulators(self) -> list[tf.Variable]:
+        """The gradient accumulators created so far (empty for ``k == 1``)."""
+        return list(self._accumulators.values())
+
+    # -- apply ---------------------------------------------------------------------------
+    def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> Any:
+        """The optimizer's ``apply`` (see the module docstring)."""
+        context = tf.distribute.get_replica_context()
+        if context is None:
+            # Cross-replica context (an eager call outside strategy.run): Keras's own path.
+            return self._original_apply(grads, trainable_variables)
+        if trainable_variables is None:
+            variables = internals.optimizer_trainable_variables(self.optimizer)
+        else:
+            variables = list(trainable_variables)
+        grads = list(grads)
+        step = _current()
+        if step is not None:
+            step.applied += 1
+        replicas = context.num_replicas_in_sync
+        if step is not None and step.count is not None:
+            count = tf.cast(step.count, tf.float32)
+        else:
+            count = tf.constant(1.0 / replicas)  # Keras's losses are already divided by N
+        reduce = replicas > 1 and (step is None or step.all_reduce)
+        kept = [i for i, v in enumerate(variables) if _overwritten(v)]
+        if self.accumulation_steps == 1:
+            if not reduce and (step is None or step.count is None):
+                return self._finish(grads, variables)
+            weighted = [_weighted_or_kept(g, count, i in kept) for i, g in enumerate(grads)]
+            return self._reduce_and_finish(weighted, count, variables, reduce, kept)
+        return self._accumulate(grads, count, variables, reduce, kept)
+
+    def _reduce_and_finish(
+        self,
+        weighted: list[Any],
+        count: tf.Tensor,
+        variables: list[Any],
+        reduce: bool,
+        kept: Sequence[int],
+    ) -> None:
+        values = [None if i in kept else g for i, g in enumerate(weighted)]
+        values.append(count)
+        if reduce:
+            self.all_reduce_traces += 1
+            values = all_reduce_packed(values, tf.distribute.get_replica_context())
+            self.all_reduce_runs.assign_add(1)
+        *reduced, total = values
+        grads = [
+            weighted[i] if i in kept or g is None else _divided(g, total)
+            for i, g in enumerate(reduced)
+        ]
+        self._finish(grads, variables)
+
+    def _accumulate(
+        self,
+        grads: list[Any],
+        count: tf.Tensor,
+        variables: list[Any],
+        reduce: bool,
+        kept: Sequence[int],
+    ) -> None:
+        if kept:
+            raise TrainingError(
+                explain(
+                    "accumulation_steps > 1 cannot accumulate variables that Keras overwrites "
+                    "with their gradient (overwrite_with_gradient, float8 training).",
+                    received=[variables[i].path for i in kept],
+                    fix="train with accumulation_steps=1.",
+                )
+            )
+        touched = [(g, v) for g, v in zip(grads, variables, strict=True) if g is not None]
+        missing = [v for _, v in touched if id(v) not in self._accumulators]
+        if missing:
+            raise TrainingError(
+                explain(
+                    "The optimizer was asked to update variables it has no gradient "
+                    "accumulator for.",
+                    received=[v.path for v in missing][:5],
+                    fix="call tfscale.prepare(model, accumulation_steps=k) after the model and "
+                    "its optimizer are built, or let tfscale.fit build them.",
+                )
+            )
+        for gradient, variable in touched:
+            self._accumulators[id(variable)].assign_add(
+                tf.convert_to_tensor(_weighted(gradient, count))
+            )
+        self._count.assign_add(count)
+        self._micro_batches.assign_add(1)
+        due = tf.equal(self._micro_batches.read_value() % self.accumulation_steps, 0)
+
+        def update() -> None:
+            values = [tf.identity(self._accumulators[id(v)].read_value()) for _, v in touched]
+            total = tf.identity(self._count.read_value())
+            with tf.control_dependencies([*values, total]):
+                for _, variable in touched:
+                    accumulator = self._accumulators[id(variable)]
+                    accumulator.assign(tf.zeros_like(accumulator))
+                self._count.assign(tf.zeros_like(total))
+            self._reduce_and_finish(values, total, [v for _, v in touched], reduce, ())
+
+        self._branch(due, update, lambda: None)
+
+    def _finish(self, grads: list[Any], variables: list[Any]) -> None:
+        """Clips the reduced gradient, then applies it if finite (identical on every replica)."""
+        if self.clipnorm is not None:
+            threshold = tf.constant(self.clipnorm, tf.float32)
+            if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+                # Still scaled by the loss scale here: clip at the scaled norm.
+                threshold = threshold * tf.cast(self.optimizer.dynamic_scale, tf.float32)
+            dense = [i for i, g in enumerate(grads) if g is not None]
+            clipped, _ = tf.clip_by_global_norm([grads[i] for i in dense], threshold)
+            for i, g in zip(dense, clipped, strict=True):
+                grads[i] = g
+        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            # It tests finiteness (now of the sum), skips and rescales itself.
+            self._original_apply(grads, variables)
+            return
+        present = [i for i, g in enumerate(grads) if g is not None]
+
+        def apply(*given: Any) -> None:
+            full: list[Any] = [None] * len(grads)
+            for i, g in zip(present, given, strict=True):
+                full[i] = g
+            self._original_apply(full, variables)
+
+        def skip() -> None:
+            self.skipped.assign_add(1)
+
+        self._branch(_all_finite(grads), apply, skip, [grads[i] for i in present])
+
+    def _branch(
+        self,
+        predicate: tf.Tensor,
+        yes: Callable[..., None],
+        no: Callable[[], None],
+        args: Sequence[Any] = (),
+    ) -> None:
+        """``tf.cond(predicate, lambda: yes(*args), no)`` for replica code whose branches call
+        the optimizer.
+
+        ``predicate`` must be the same on every replica (computed from reduced values or from
+        counters every replica advances alike). ``args`` are this replica's tensors; ``yes``
+        must take its per-replica values from them, not from its closure, because under
+        MirroredStrategy the branch is built once, in cross-replica context, for all replicas.
+        """
+        if internals.strategy_supports_no_merge_call():
+            tf.cond(predicate, _no_outputs(lambda: yes(*args)), _no_outputs(no))
+            return
+
+        def merged(distribution: tf.distribute.Strategy, flag: Any, *values: Any) -> None:
+            first = distribution.experimental_local_results(flag)[0]
+
+            def each() -> None:
+                distribution.extended.call_for_each_replica(yes, args=tuple(values))
+
+            tf.cond(first, _no_outputs(each), _no_outputs(no))
+
+        tf.distribute.get_replica_context().merge_call(merged, args=(predicate, *args))
+
+
+def _no_outputs(function: Callable[[], Any]) -> Callable[[], None]:
+    def run() -> None:
+        function()
+
+    return run
+
+
+def _overwritten(variable: Any) -> bool:
+    return bool(getattr(variable, "overwrite_with_gradient", False))
+
+
+def _weighted_or_kept(gradient: Any, count: tf.Tensor, kept: bool) -> Any:
+    if gradient is None or kept:
+        return gradient
+    return _weighted(gradient, count)
+
+
+def distributed_update(optimizer: Any, strategy: tf.distribute.Strategy) -> DistributedUpdate:
+    """The :class:`DistributedUpdate` of ``optimizer``, installed on first use.
+
+    Raises:
+        TrainingError: The optimizer was prepared for another strategy.
+    """
+    existing = optimizer.__dict__.get("_tfscale_update")
+    if isinstance(existing, DistributedUpdate):
+        if existing.strategy is not strategy:
+            existing = None  # moved to another strategy: install afresh
+        else:
+            return existing
+    update = DistributedUpdate(optimizer, strategy)
+    internals.override(optimizer, "_tfscale_update", update)
+    return update

@@ -1,0 +1,311 @@
+"""``tfscale.prepare``: make a compiled Keras model's own ``fit`` correct on every replica.
+
+One added line before an unchanged ``model.fit`` script::
+
+    model = tfscale.prepare(model)            # or prepare(model, strategy, accumulation_steps=4)
+    model.fit(dataset, epochs=10, callbacks=[...])
+
+Keras keeps the loop (data adapters, epochs, callbacks, History, validation); ``prepare``
+intercepts where Keras is wrong under a strategy, on this model instance only:
+
+- its variables move into the strategy in place (``adopt.py``);
+- every optimizer of the model does tfscale's distributed update (``optimizer.py``);
+- ``make_train_function`` / ``make_test_function`` build tfscale's step functions
+  (``function.py``), and the model's symbolic build takes one replica's batch, which is what
+  breaks ``model.fit`` under MultiWorkerMirroredStrategy (keras-team/keras#20585).
+
+``prepare`` is idempotent: a second call updates the options and keeps compiled functions
+when they do not change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from tfscale import internals
+from tfscale.errors import TrainingError, explain
+from tfscale.training.adopt import adopt, model_optimizers
+from tfscale.training.function import StepFunction
+from tfscale.training.optimizer import DistributedUpdate, distributed_update
+from tfscale.training.precision import Precision, apply_policy, resolve_precision
+
+__all__ = ["Options", "Prepared", "prepare", "prepared", "resolve_strategy"]
+
+
+@dataclass(frozen=True)
+class Options:
+    """tfscale's options for a prepared model.
+
+    Attributes:
+        accumulation_steps: Micro-batches (steps) per optimizer update.
+        clipnorm: Clip the all-reduced gradient to this global norm, or None.
+        remat: Recompute activations in the backward pass.
+        jit_compile: Compile the model's forward and backward pass with XLA.
+        sync_batchnorm: BatchNormalization statistics over all replicas' examples.
+        precision: The decided mixed precision.
+    """
+
+    accumulation_steps: int = 1
+    clipnorm: float | None = None
+    remat: bool = False
+    jit_compile: bool = False
+    sync_batchnorm: bool = False
+    precision: Precision = Precision("fp32", None, False)
+
+
+def resolve_strategy(model: Any, strategy: tf.distribute.Strategy | None) -> Any:
+    """The strategy to train with: explicit, else the current scope's, else the one the
+    model was built under, else ``tfscale.choose_strategy()``."""
+    if strategy is not None:
+        return strategy
+    if tf.distribute.has_strategy():
+        return tf.distribute.get_strategy()
+    own = getattr(model, "_distribute_strategy", None)
+    if own is not None:
+        return own
+    from tfscale.strategy import choose_strategy
+
+    return choose_strategy().strategy
+
+
+def check_model(model: Any) -> None:
+    """Refuses what tfscale cannot train, before anything is changed.
+
+    Raises:
+        TrainingError: Not a Keras model, not compiled, or an optimizer with Keras's own
+            ``gradient_accumulation_steps``.
+    """
+    if not isinstance(model, keras.Model):
+        raise TrainingError(
+            explain(
+                "tfscale trains Keras models.",
+                received=type(model).__name__,
+                allowed="a keras.Model",
+            )
+        )
+    if not getattr(model, "compiled", False) or model.optimizer is None:
+        raise TrainingError(
+            explain(
+                "The model is not compiled, so it has no optimizer and loss to train with.",
+                received=f"model {model.name!r} (compiled={getattr(model, 'compiled', False)})",
+                allowed="a model compiled with an optimizer and a loss",
+                fix="compile it first:\n"
+                '        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")',
+            )
+        )
+    for optimizer in model_optimizers(model):
+        inner = getattr(optimizer, "inner_optimizer", optimizer)
+        steps = getattr(inner, "gradient_accumulation_steps", None)
+        if steps:
+            raise TrainingError(
+                explain(
+                    "The optimizer has Keras's gradient_accumulation_steps set; under "
+                    "MirroredStrategy it fails with a merge_call RuntimeError and it "
+                    "all-reduces every micro-batch.",
+                    received=f"gradient_accumulation_steps={steps}",
+                    fix="remove it from the optimizer and pass "
+                    f"tfscale.fit(..., accumulation_steps={steps}) "
+                    f"(or tfscale.prepare(model, accumulation_steps={steps}))",
+                )
+            )
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise TrainingError(
+            explain(
+                f"{name} must be a positive integer.",
+                received=f"{name}={value!r}",
+                allowed="an int >= 1",
+            )
+        )
+    return value
+
+
+class Prepared:
+    """The tfscale state of one prepared model (``model.__dict__["_tfscale"]``).
+
+    Attributes:
+        model: The model.
+        strategy: The strategy it trains under.
+        options: Its :class:`Options`.
+    """
+
+    def __init__(self, model: Any, strategy: tf.distribute.Strategy, options: Options) -> None:
+        self.model = model
+        self.strategy = strategy
+        self.options = options
+        self.record_timings = False
+        internals.override(model, "make_train_function", self.make_train_function)
+        internals.override(model, "make_test_function", self.make_test_function)
+        internals.override(model, "_maybe_symbolic_build", self.symbolic_build)
+
+    # -- state ---------------------------------------------------------------------------
+    def updates(self) -> list[DistributedUpdate]:
+        """The distributed update of every optimizer of the model (installed if missing)."""
+        out = []
+        for optimizer in model_optimizers(self.model):
+            update = distributed_update(optimizer, self.strategy)
+            update.accumulation_steps = self.options.accumulation_steps
+            update.clipnorm = self.options.clipnorm
+            out.append(update)
+        return out
+
+    def ready(self) -> None:
+        """Moves anything created since (a recompile's metrics and optimizer) into the
+        strategy and gives every optimizer its update and accumulators."""
+        adopt(self.model, self.strategy)
+        for update in self.updates():
+            if self.options.accumulation_steps > 1 and update.optimizer.built:
+                update.build_accumulators(
+                    internals.optimizer_trainable_variables(update.optimizer)
+                )
+
+    def time_steps(self, enabled: bool) -> None:
+        """Times each call of the train function, fetch apart from steps (profiling)."""
+        self.record_timings = enabled
+        if isinstance(self.model.train_function, StepFunction):
+            self.model.train_function.record_timings = enabled
+
+    @property
+    def update(self) -> DistributedUpdate:
+        """The distributed update of ``model.optimizer``."""
+        return distributed_update(self.model.optimizer, self.strategy)
+
+    # -- what Keras calls ----------------------------------------------------------------
+    def make_train_function(self, force: bool = False) -> Any:
+        """Keras's ``make_train_function``, building tfscale's :class:`StepFunction`."""
+        return self._function("train", force)
+
+    def make_test_function(self, force: bool = False) -> Any:
+        """Keras's ``make_test_function``, building tfscale's :class:`StepFunction`."""
+        return self._function("test", force)
+
+    def _function(self, kind: str, force: bool) -> Any:
+        name = f"{kind}_function"
+        current = getattr(self.model, name, None)
+        stale = (
+            not isinstance(current, StepFunction)
+            or current.steps_per_execution != int(self.model.steps_per_execution)
+            or current.options != self.options
+        )
+        if current is None or force or stale:
+            self.ready()
+            current = StepFunction(self.model, kind, self.options)  # type: ignore[arg-type]
+            current.record_timings = self.record_timings and kind == "train"
+            setattr(self.model, name, current)
+        return current
+
+    def symbolic_build(self, iterator: Any = None, data_batch: Any = None) -> None:
+        """Keras's ``_maybe_symbolic_build`` with one replica's batch (see the module doc)."""
+        model = self.model
+        unbuilt = (
+            not all(layer.built for layer in internals.flatten_layers(model))
+            or (model.optimizer is not None and not model.optimizer.built)
+            or any(not getattr(m, "built", True) for m in model.metrics)
+        )
+        if unbuilt:
+            if data_batch is None and iterator is not None:
+                for _, _, source in iterator:
+                    batch = source[0] if isinstance(source, (list, tuple)) else next(source)
+                    data_batch = tf.nest.map_structure(self._first_replica, batch)
+                    break
+            with self.strategy.scope():
+                internals.symbolic_build(model, data_batch)
+        self.ready()
+
+    def _first_replica(self, value: Any) -> Any:
+        if isinstance(value, tf.distribute.DistributedValues):
+            return self.strategy.experimental_local_results(value)[0]
+        return value
+
+
+def prepared(model: Any) -> Prepared | None:
+    """The model's :class:`Prepared` state, or None if it was never prepared."""
+    state = model.__dict__.get("_tfscale")
+    return state if isinstance(state, Prepared) else None
+
+
+def prepare(
+    model: Any,
+    strategy: tf.distribute.Strategy | None = None,
+    *,
+    accumulation_steps: int = 1,
+    clipnorm: float | None = None,
+    mixed_precision: str | None = None,
+    remat: bool = False,
+    jit_compile: bool | None = None,
+    sync_batchnorm: bool = False,
+) -> Any:
+    """Makes a compiled model's ``fit`` / ``evaluate`` correct and complete on every replica.
+
+    Args:
+        model: A compiled Keras model, built inside or outside the strategy's scope.
+        strategy: The strategy; None takes the current scope's, the model's own, or
+            ``tfscale.choose_strategy()``.
+        accumulation_steps: Batches (steps) accumulated per optimizer update; an update is
+            the mean over all their examples. ``optimizer.iterations`` counts updates.
+        clipnorm: Clip the all-reduced gradient to this global norm.
+        mixed_precision: None, ``"bf16"`` or ``"fp16"`` (wraps the optimizer in Keras's
+            ``LossScaleOptimizer``, whose finiteness test then sees the reduced gradient).
+        remat: Recompute activations in the backward pass to save memory.
+        jit_compile: Compile each replica's forward and backward pass with XLA; None keeps
+            what ``compile(jit_compile=...)`` decided.
+        sync_batchnorm: BatchNormalization layers normalize with the statistics of the
+            whole global batch (``BatchNormalization(synchronized=True)``), as on one device.
+
+    Returns:
+        The same model object.
+
+    Raises:
+        TrainingError: The model cannot be trained this way (the message says why and how).
+    """
+    check_model(model)
+    _positive_int("accumulation_steps", accumulation_steps)
+    if clipnorm is not None and (isinstance(clipnorm, bool) or not clipnorm > 0):
+        raise TrainingError(
+            explain("clipnorm must be positive.", received=clipnorm, allowed="a float > 0")
+        )
+    precision = resolve_precision(mixed_precision)
+    strategy = resolve_strategy(model, strategy)
+    jit = bool(model.jit_compile) if jit_compile is None else bool(jit_compile)
+    options = Options(
+        accumulation_steps=accumulation_steps,
+        clipnorm=None if clipnorm is None else float(clipnorm),
+        remat=bool(remat),
+        jit_compile=jit,
+        sync_batchnorm=bool(sync_batchnorm),
+        precision=precision,
+    )
+    state = prepared(model)
+    if state is None or state.strategy is not strategy:
+        state = Prepared(model, strategy, options)
+        internals.override(model, "_tfscale", state)
+        model.train_function = model.test_function = model.predict_function = None
+    elif state.options != options:
+        state.options = replace(options)
+    adopt(model, strategy)
+    _apply_precision(model, strategy, precision)
+    if sync_batchnorm:
+        for layer in internals.flatten_layers(model):
+            if isinstance(layer, keras.layers.BatchNormalization):
+                layer.synchronized = True
+    state.ready()
+    return model
+
+
+def _apply_precision(model: Any, strategy: tf.distribute.Strategy, precision: Precision) -> None:
+    apply_policy(model, precision)
+    if precision.loss_scaling and not isinstance(
+        model.optimizer, keras.optimizers.LossScaleOptimizer
+    ):
+        # What compile() does under a mixed_float16 policy (auto_scale_loss).
+        with strategy.scope():
+            scaled = keras.optimizers.LossScaleOptimizer(model.optimizer)
+            if model.optimizer.built:
+                scaled.build(internals.optimizer_trainable_variables(model.optimizer))
+        model.optimizer = scaled
