@@ -192,7 +192,8 @@ def test_tfscale_fit_trains_the_pipeline_to_the_unsplit_weights(cpu_devices: lis
     reference.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     tfscale.fit(
         reference,
-        (x, y),
+        x,
+        y,
         epochs=2,
         batch_size=BATCH,
         strategy=tf.distribute.get_strategy(),
@@ -202,7 +203,7 @@ def test_tfscale_fit_trains_the_pipeline_to_the_unsplit_weights(cpu_devices: lis
     piped = tfscale.pipeline(model, cpu_devices[:4], microbatches=8, remat=True)
     piped.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     # No strategy given: the pipelined model's own (the default) is used, not a Mirrored one.
-    history = tfscale.fit(piped, (x, y), epochs=2, batch_size=BATCH, verbose=0)
+    history = tfscale.fit(piped, x, y, epochs=2, batch_size=BATCH, verbose=0)
     assert len(history.history["loss"]) == 2
     assert relative_difference(model.get_weights(), reference.get_weights()) <= TOL
 

@@ -29,7 +29,7 @@ def test_under_tfscale_fit_it_gets_fetch_and_step_seconds(cpu_devices: list[str]
     with strategy.scope():
         model = _model()
     callback = tfscale.ProfileCallback(batch_size=32, warmup=1)
-    tfscale.fit(model, _data(), batch_size=32, callbacks=[callback], strategy=strategy, verbose=0)
+    tfscale.fit(model, *_data(), batch_size=32, callbacks=[callback], strategy=strategy, verbose=0)
     assert len(callback.step_s) == 256 // 32 - 1 == len(callback.fetch_s)
     breakdown = callback.breakdown()
     assert breakdown.method == "wall-clock"

@@ -95,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
     clock = _Clock()
     history = fit(
         model,
-        (data.x_train, data.y_train),
+        data.x_train,
+        data.y_train,
         batch_size=batch,
         epochs=args.epochs,
         validation_data=(data.x_test, data.y_test),

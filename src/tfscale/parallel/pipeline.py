@@ -165,7 +165,7 @@ def pipeline(
 
         piped = tfscale.pipeline(model, ["/device:CPU:0", "/device:CPU:1"], microbatches=8)
         piped.compile(optimizer="sgd", loss="mse")
-        tfscale.fit(piped, (x, y), epochs=2, batch_size=64)
+        tfscale.fit(piped, x, y, epochs=2, batch_size=64)
     """
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise PartitionError(

@@ -229,7 +229,7 @@ class PlacedModel(keras.Model):  # type: ignore[misc]
                     received=f"{type(strategy).__name__} with "
                     f"{strategy.num_replicas_in_sync} replicas",
                     allowed="the default strategy (no strategy scope)",
-                    fix="train it outside any strategy scope: tfscale.fit(piped, data, ...) "
+                    fix="train it outside any strategy scope: tfscale.fit(piped, x, y, ...) "
                     "with strategy=None or tf.distribute.get_strategy().",
                 )
             )

@@ -3,8 +3,8 @@
 Keras runs ``next(iterator)`` inside its compiled train function, so under ``model.fit`` a
 callback cannot see the input wait on its own; it times each step from
 ``on_train_batch_begin`` to ``on_train_batch_end``. Under ``tfscale.fit`` it asks for the
-Trainer's own timings (``tfscale_wants_timings``) and gets, per update, the seconds blocked
-fetching the batch and the seconds of the update. When asked, it also captures a TensorFlow
+train function's own timings (``tfscale_wants_timings``) and gets, per call, the seconds
+blocked fetching the batches and the seconds of the steps. When asked, it also captures a TensorFlow
 profiler trace of a few steps whose events are classified by :mod:`tfscale.profiling.timeline`
 (input, compute, exposed communication).
 """
@@ -43,7 +43,7 @@ class ProfileCallback(keras.callbacks.Callback):  # type: ignore[misc]
         logdir: Where the profiler writes; a temporary directory by default.
     """
 
-    tfscale_wants_timings = True  # tfscale.fit then puts fetch/step seconds in batch logs
+    tfscale_wants_timings = True  # tfscale.fit then times each call of its train function
 
     def __init__(
         self,
@@ -88,9 +88,11 @@ class ProfileCallback(keras.callbacks.Callback):  # type: ignore[misc]
             self._trace_context.__exit__(None, None, None)
             self._trace_context = None
         if self._step >= self.warmup:
-            if logs and "fetch_seconds" in logs and "step_seconds" in logs:
-                self.fetch_s.append(float(logs["fetch_seconds"]))
-                self.step_s.append(float(logs["fetch_seconds"]) + float(logs["step_seconds"]))
+            timings = getattr(self.model.train_function, "timings", None)
+            if timings:  # tfscale.fit timed the call: fetch apart from the steps
+                timing = timings.pop()
+                self.fetch_s.append(timing.fetch_seconds)
+                self.step_s.append(timing.fetch_seconds + timing.step_seconds)
             else:
                 self.step_s.append(end - self._begin)
         self._last_end = end
@@ -133,7 +135,7 @@ class ProfileCallback(keras.callbacks.Callback):  # type: ignore[misc]
     def breakdown(self) -> Breakdown:
         """The step breakdown: from the trace where one was captured, else from timings.
 
-        Under ``tfscale.fit`` the input wait is the Trainer's fetch time (wall-clock method);
+        Under ``tfscale.fit`` the input wait is the train function's fetch time (wall-clock);
         under ``model.fit`` without a trace the whole step counts as compute (input and
         communication cannot be separated from outside Keras's compiled step), and
         ``method`` says so.

@@ -140,7 +140,7 @@ class MeasuredStep:
 
     Two :class:`tfscale.training.trainer.Trainer` share the model and optimizer: one runs the
     real update, the other the same update with the gradient all-reduce switched off
-    (``Trainer._set_gradient_all_reduce(False)``: each replica applies its own gradient).
+    (``all_reduce=False``: each replica applies its own gradient).
     Both record, per optimizer update, the seconds blocked fetching its micro-batches and the
     seconds of the update itself.
 
@@ -186,16 +186,6 @@ class MeasuredStep:
                     optimizer="adam",
                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                 )
-            # As tfscale.fit does before its first step (training/fit.py, _build): create
-            # the metrics' and optimizer's variables in the scope.
-            model._symbolic_build(
-                data_batch=(workload.x[:batch_per_replica], workload.y[:batch_per_replica])
-            )
-            optimizer = model.optimizer
-            if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-                optimizer = optimizer.inner_optimizer
-            if not optimizer.built:
-                optimizer.build(model.trainable_variables)
         self.model = model
         self.gradient_sizes = [int(np.prod(v.shape)) * 4 for v in model.trainable_variables]
         dataset = tf.data.Dataset.from_tensor_slices((workload.x, workload.y))
@@ -209,17 +199,19 @@ class MeasuredStep:
         ready = ready.batch(global_batch, drop_remainder=True).take(1).cache().repeat()
         self._ready = iter(self.strategy.experimental_distribute_dataset(ready))
 
+        sample = (workload.x[:batch_per_replica], workload.y[:batch_per_replica])
+
         def timed(reduce: bool) -> TimedStep:
             trainer = Trainer(
                 model,
                 self.strategy,
                 accumulation_steps=accumulation,
                 jit_compile=jit_compile,
-                nominal_batch=global_batch,
+                all_reduce=reduce,
+                sample_batch=sample,
             )
-            if not reduce:
-                trainer._set_gradient_all_reduce(False)
             trainer.record_timings = True
+            self._fetch = trainer.fetch
 
             def step() -> tuple[float, float]:
                 trainer.train(self.iterator, 1)
@@ -234,8 +226,8 @@ class MeasuredStep:
     def fetch_floor(self, calls: int = 10) -> float:
         """Median seconds to fetch one update's micro-batches when they are already there.
 
-        The Trainer's timed path fetches eagerly (``get_next_as_optional`` per micro-batch,
-        outside the compiled step); on a distributed iterator that costs a fixed amount of
+        The Trainer's timed path fetches eagerly (``Trainer.fetch``, per micro-batch, outside
+        the compiled step); on a distributed iterator that costs a fixed amount of
         host time even when the pipeline has the batch ready. This measures it on a cached
         one-batch dataset with the same structure, so that only waiting beyond it counts as
         input and the fixed part counts with the step's other host overhead.
@@ -246,9 +238,7 @@ class MeasuredStep:
         for index in range(calls + 2):
             start = time.perf_counter()
             for _ in range(self.accumulation):
-                optional = self._ready.get_next_as_optional()
-                if bool(optional.has_value()):
-                    optional.get_value()
+                self._fetch(self._ready)
             if index >= 2:
                 durations.append(time.perf_counter() - start)
         return float(np.median(durations))

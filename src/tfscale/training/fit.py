@@ -257,6 +257,10 @@ def fit(
             validation_split = 0.0
         order = EpochOrder((x, y, sample_weight), batch_size)
         x, y, sample_weight, batch_size, shuffle = order.dataset, None, None, None, False
+    if isinstance(x, tf.data.Dataset) and shuffle is True:
+        # Keras ignores shuffle for datasets, and warns that it does on every call because
+        # fit's default is True.
+        shuffle = False
     from_function = is_dataset_fn(x)
     x = distributed_input(x, strategy)
     if validation_data is not None and not isinstance(validation_data, (tuple, list)):

@@ -261,7 +261,7 @@ class StepFunction:
             return logs
         while self.skip > 0:
             self.skip -= 1
-            self._next(iterator)
+            self.fetch(iterator)
         if self.record_timings:
             return self._timed(iterator)
         limit = self.steps_per_execution if self.limit is None else self.limit
@@ -270,7 +270,8 @@ class StepFunction:
             raise StopIteration
         return logs
 
-    def _next(self, iterator: Any) -> Any:
+    def fetch(self, iterator: Any) -> Any:
+        """One batch, eagerly: the end of the data raises StopIteration or OutOfRangeError."""
         if self.single_worker:
             return iterator.get_next()
         optional = iterator.get_next_as_optional()
@@ -283,7 +284,7 @@ class StepFunction:
         batches = []
         try:
             for _ in range(self.steps_per_execution if self.limit is None else self.limit):
-                batches.append(self._next(iterator))
+                batches.append(self.fetch(iterator))
         except (StopIteration, tf.errors.OutOfRangeError):
             if not batches:
                 raise StopIteration from None

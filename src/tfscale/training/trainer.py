@@ -101,6 +101,10 @@ class Trainer:
         """Gradient all-reduces traced so far by the model's optimizer."""
         return self._state.update.all_reduce_traces
 
+    def fetch(self, iterator: Any) -> Any:
+        """One batch from a distributed iterator, fetched as the timed path fetches it."""
+        return self._function.fetch(iterator)
+
     def train(self, iterator: Any, updates: int = 1) -> tuple[int, bool, Any]:
         """Runs up to ``updates`` optimizer updates from ``iterator``.
 

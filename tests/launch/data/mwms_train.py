@@ -78,7 +78,7 @@ def train(
         checkpoint = tfscale.CheckpointConfig(checkpoint_dir, every_steps=5)
     tfscale.fit(
         model,
-        make_data(),
+        *make_data(),
         epochs=epochs,
         batch_size=BATCH,
         checkpoint_dir=checkpoint,

@@ -30,11 +30,11 @@ def full_loss() -> float:
 
 before = full_loss()
 try:  # an option that needs synchronous training is refused, and named
-    tfscale.fit(model, (x, y), epochs=1, clipnorm=1.0, accumulation_steps=2)
+    tfscale.fit(model, x, y, epochs=1, clipnorm=1.0, accumulation_steps=2)
     refused = ""
 except tfscale.TrainingError as error:
     refused = str(error)
-history = tfscale.fit(model, (x, y), epochs=3, batch_size=32, verbose=1)
+history = tfscale.fit(model, x, y, epochs=3, batch_size=32, verbose=1)
 result = {
     "kind": choice.kind,
     "before": before,
