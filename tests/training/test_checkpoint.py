@@ -93,7 +93,12 @@ def test_stopped_after_epoch_2_of_4_and_resumed_equals_uninterrupted(
         verbose=0,
     )
     assert history.epoch == [2, 3]
-    assert relative_difference(resumed.get_weights(), _uninterrupted(tmp_path_factory.mktemp("uninterrupted"))) <= 1e-5
+    assert (
+        relative_difference(
+            resumed.get_weights(), _uninterrupted(tmp_path_factory.mktemp("uninterrupted"))
+        )
+        <= 1e-5
+    )
 
 
 def test_crash_mid_epoch_resumes_from_the_last_step_checkpoint(
@@ -126,4 +131,9 @@ def test_crash_mid_epoch_resumes_from_the_last_step_checkpoint(
         verbose=0,
     )
     assert int(resumed.optimizer.iterations.numpy()) == EPOCHS * len(x) // 32
-    assert relative_difference(resumed.get_weights(), _uninterrupted(tmp_path_factory.mktemp("uninterrupted"))) <= 1e-5
+    assert (
+        relative_difference(
+            resumed.get_weights(), _uninterrupted(tmp_path_factory.mktemp("uninterrupted"))
+        )
+        <= 1e-5
+    )

@@ -6,7 +6,6 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import tfscale
 from tfscale.testing import relative_difference

@@ -240,7 +240,9 @@ def test_no_strategy_given_uses_choose_strategy_over_every_device() -> None:
     reference = tiny_model(strategy_for(4))
     seen: list[int] = []
     record = keras.callbacks.LambdaCallback(
-        on_train_begin=lambda logs: seen.append(record.model.distribute_strategy.num_replicas_in_sync)
+        on_train_begin=lambda logs: seen.append(
+            record.model.distribute_strategy.num_replicas_in_sync
+        )
     )
     tfscale.fit(model, batches(x, y, 32), steps_per_epoch=3, callbacks=[record], verbose=0)
     assert seen == [4]  # the session's 4 logical CPUs

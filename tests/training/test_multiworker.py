@@ -146,8 +146,11 @@ def _run_workers(tmp_path: Path, timeout: float = 240.0) -> list[dict[str, objec
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.communicate()
-    failed = [err[-3000:] for process, (_, err) in zip(processes, outputs, strict=True)
-              if process.returncode != 0]
+    failed = [
+        err[-3000:]
+        for process, (_, err) in zip(processes, outputs, strict=True)
+        if process.returncode != 0
+    ]
     assert not failed, "\n---\n".join(failed)
     reports = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(2)]
     for report, (out, _) in zip(reports, outputs, strict=True):

@@ -27,9 +27,7 @@ def _flat_size(tensor: tf.Tensor) -> Any:
     return count if count is not None else tf.size(tensor)
 
 
-def all_reduce_packed(
-    values: Sequence[Any], context: tf.distribute.ReplicaContext
-) -> list[Any]:
+def all_reduce_packed(values: Sequence[Any], context: tf.distribute.ReplicaContext) -> list[Any]:
     """Sums ``values`` over all replicas: one packed collective per dtype for dense tensors.
 
     Args:

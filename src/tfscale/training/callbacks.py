@@ -71,4 +71,6 @@ class ExactSteps(keras.callbacks.Callback):  # type: ignore[misc]
         steps = self.params.get("steps")
         if function is None or not hasattr(function, "limit"):
             return
-        function.limit = None if not steps else max(1, min(function.steps_per_execution, steps - batch))
+        function.limit = (
+            None if not steps else max(1, min(function.steps_per_execution, steps - batch))
+        )

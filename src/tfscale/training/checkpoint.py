@@ -133,7 +133,8 @@ class CheckpointCallback(keras.callbacks.Callback):  # type: ignore[misc]
         latest = tf.train.latest_checkpoint(self.config.directory)
         if latest is None:
             return
-        assert self._checkpoint is not None and self._epoch is not None
+        assert self._checkpoint is not None
+        assert self._epoch is not None and self._batches is not None
         self._checkpoint.restore(latest).expect_partial()
         epoch, batches = int(self._epoch.numpy()), int(self._batches.numpy())
         internals.set_initial_epoch(self.model, epoch)

@@ -103,9 +103,7 @@ class EpochOrder:
         dataset = dataset.apply(tf.data.experimental.assert_cardinality(-(-count // batch)))
         options = tf.data.Options()
         # The permutation reads a variable (the epoch): state outside the dataset's graph.
-        options.experimental_external_state_policy = (
-            tf.data.experimental.ExternalStatePolicy.IGNORE
-        )
+        options.experimental_external_state_policy = tf.data.experimental.ExternalStatePolicy.IGNORE
         options.experimental_distribute.auto_shard_policy = (
             tf.data.experimental.AutoShardPolicy.DATA
         )

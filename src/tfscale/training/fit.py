@@ -18,11 +18,11 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tfscale import internals
 from tfscale.errors import TrainingError, explain
 from tfscale.training.callbacks import ExactSteps, NonFiniteGuard, is_chief
 from tfscale.training.checkpoint import CheckpointCallback, CheckpointConfig
 from tfscale.training.coordinator import fit_with_coordinator, is_parameter_server
-from tfscale import internals
 from tfscale.training.data import EpochOrder, distributed_input, is_dataset_fn, num_workers
 from tfscale.training.prepare import check_model, prepare, prepared, resolve_strategy
 
@@ -49,7 +49,7 @@ def _from_data(data: Any, x: Any, y: Any, sample_weight: Any) -> tuple[Any, Any,
             )
         )
     if isinstance(data, (tuple, list)) and 2 <= len(data) <= 3:
-        parts = list(data) + [None]
+        parts = [*list(data), None]
         return parts[0], parts[1], parts[2]
     return data, None, None
 
@@ -281,8 +281,9 @@ def fit(
         callback_list.insert(0, CheckpointCallback(config, strategy, data_epoch=data_epoch))
     if not is_chief(strategy):
         verbose = 0
-    with _steps_per_execution(model, steps_per_execution), _expected_end_of_data(
-        config, from_function and num_workers(strategy) > 1
+    with (
+        _steps_per_execution(model, steps_per_execution),
+        _expected_end_of_data(config, from_function and num_workers(strategy) > 1),
     ):
         history: keras.callbacks.History = model.fit(
             x=x,

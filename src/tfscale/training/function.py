@@ -293,5 +293,3 @@ class StepFunction:
         logs = tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, logs)
         self.timings.append(StepTiming(fetched - start, time.perf_counter() - fetched))
         return logs
-
-

@@ -93,6 +93,7 @@ def _inner(optimizer: Any) -> Any:
 
 def _weighted(gradient: Any, count: tf.Tensor) -> Any:
     """``count * gradient``, and exactly zero for an empty batch (whose mean may be NaN)."""
+
     def scale(values: tf.Tensor) -> tf.Tensor:
         c = tf.cast(count, values.dtype)
         return tf.where(c > 0, values * c, tf.zeros_like(values))

@@ -20,7 +20,7 @@ when they do not change.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import keras
@@ -54,7 +54,7 @@ class Options:
     remat: bool = False
     jit_compile: bool = False
     sync_batchnorm: bool = False
-    precision: Precision = Precision("fp32", None, False)
+    precision: Precision = field(default_factory=lambda: resolve_precision(None))
 
 
 def resolve_strategy(model: Any, strategy: tf.distribute.Strategy | None) -> Any:
@@ -161,9 +161,7 @@ class Prepared:
         adopt(self.model, self.strategy)
         for update in self.updates():
             if self.options.accumulation_steps > 1 and update.optimizer.built:
-                update.build_accumulators(
-                    internals.optimizer_trainable_variables(update.optimizer)
-                )
+                update.build_accumulators(internals.optimizer_trainable_variables(update.optimizer))
 
     def time_steps(self, enabled: bool) -> None:
         """Times each call of the train function, fetch apart from steps (profiling)."""

@@ -130,7 +130,5 @@ class Trainer:
         del self._function.timings[first:]
         if calls:
             self.timings.append(
-                StepTiming(
-                    sum(t.fetch_seconds for t in calls), sum(t.step_seconds for t in calls)
-                )
+                StepTiming(sum(t.fetch_seconds for t in calls), sum(t.step_seconds for t in calls))
             )
