@@ -1,0 +1,380 @@
+"""What Keras users bring to tfscale.fit: step overrides, compile options, optimizer wrappers,
+callbacks and BatchNormalization, each against one-device ``model.fit`` on the same data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfscale
+from tfscale.testing import relative_difference
+
+from .helpers import strategy_for
+
+FEATURES = 6
+
+
+def _data(n: int = 64, seed: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, FEATURES)).astype("float32")
+    y = (x @ rng.normal(size=(FEATURES, 1)) + 0.1 * rng.normal(size=(n, 1))).astype("float32")
+    return x, y
+
+
+def _regressor(cls: type = keras.Model, **layers: Any) -> keras.Model:
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((FEATURES,))
+    hidden = keras.layers.Dense(8, activation="tanh", **layers)(inputs)
+    return cls(inputs, keras.layers.Dense(1)(hidden))
+
+
+def _pair(build: Any, fit: Any, **tfscale_options: Any) -> tuple[Any, Any, Any, Any]:
+    """One-device model.fit and tfscale.fit over 2 replicas of the same fresh model.
+
+    ``fit`` is model.fit's keyword arguments, or a function making them (fresh callbacks).
+    """
+    arguments = fit if callable(fit) else lambda: fit
+    reference = build()
+    with tf.device("/device:CPU:0"):
+        expected = reference.fit(verbose=0, shuffle=False, **arguments())
+    model = build()
+    history = tfscale.fit(
+        model, verbose=0, shuffle=False, strategy=strategy_for(2), **arguments(),
+        **tfscale_options,
+    )  # fmt: skip
+    return reference, expected, model, history
+
+
+def _same_history(got: Any, expected: Any, tolerance: float = 1e-5) -> None:
+    assert set(got.history) == set(expected.history)
+    for key, values in expected.history.items():
+        assert relative_difference(got.history[key], values) <= tolerance, key
+
+
+# -- step overrides ---------------------------------------------------------------------------
+class TrackedModel(keras.Model):
+    """keras-io "customizing what happens in fit": a train_step with its own trackers."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+        self.mae_metric = keras.metrics.MeanAbsoluteError(name="mae")
+
+    @property
+    def metrics(self) -> list[Any]:
+        return [self.loss_tracker, self.mae_metric]
+
+    def train_step(self, data: Any) -> dict[str, Any]:
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = keras.losses.mean_squared_error(y, y_pred)
+            loss = tf.reduce_mean(loss)  # a plain per-replica mean, as on one device
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables, strict=True))
+        self.loss_tracker.update_state(loss)
+        self.mae_metric.update_state(y, y_pred)
+        return {"loss": self.loss_tracker.result(), "mae": self.mae_metric.result()}
+
+
+class ManualLossModel(keras.Model):
+    """compute_loss written by hand: a mean and an extra penalty, no replica scaling."""
+
+    def compute_loss(self, x: Any, y: Any, y_pred: Any, sample_weight: Any, training: bool) -> Any:
+        del x, sample_weight, training
+        penalty = 0.01 * tf.add_n([tf.reduce_sum(w**2) for w in self.trainable_weights])
+        return tf.reduce_mean(tf.square(y - y_pred)) + penalty
+
+
+class PenaltyLayer(keras.layers.Layer):
+    """add_loss of a Keras Loss object: Keras scales it for the replicas twice."""
+
+    def call(self, inputs: Any) -> Any:
+        self.add_loss(keras.losses.MeanSquaredError()(tf.zeros_like(inputs), inputs))
+        return inputs
+
+
+def _penalized() -> keras.Model:
+    keras.utils.set_random_seed(5)
+    layers = [keras.Input((FEATURES,)), keras.layers.Dense(4), PenaltyLayer(), keras.layers.Dense(1)]
+    return keras.Sequential(layers)
+
+
+def _compiled(model: keras.Model, **compile_args: Any) -> keras.Model:
+    model.compile(
+        **{"optimizer": keras.optimizers.Adam(0.01), "loss": "mse", **compile_args}
+    )
+    return model
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: _compiled(_regressor(TrackedModel)),
+        lambda: _compiled(_regressor(ManualLossModel), metrics=["mae"]),
+        lambda: _compiled(_penalized()),
+    ],
+    ids=["train_step-with-trackers", "compute_loss-by-hand", "add_loss-of-a-Loss"],
+)
+def test_step_and_loss_overrides_give_one_device_weights_and_history(build: Any) -> None:
+    x, y = _data()
+    reference, expected, model, history = _pair(
+        build, {"x": x, "y": y, "batch_size": 16, "epochs": 2}
+    )
+    assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5
+    _same_history(history, expected)
+
+
+class ManualUpdateModel(keras.Model):
+    """A train_step that updates weights without the optimizer."""
+
+    def train_step(self, data: Any) -> dict[str, Any]:
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(y - self(x, training=True)))
+        for variable, gradient in zip(
+            self.trainable_variables, tape.gradient(loss, self.trainable_variables), strict=True
+        ):
+            variable.assign_sub(0.01 * gradient)
+        return {"loss": loss}
+
+
+def test_accumulation_with_a_step_that_bypasses_the_optimizer_is_refused_before_training() -> None:
+    x, y = _data()
+    model = _compiled(_regressor(ManualUpdateModel))
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(tfscale.TrainingError, match="never calls") as info:
+        tfscale.fit(
+            model, x, y, batch_size=16, accumulation_steps=2, strategy=strategy_for(2), verbose=0
+        )
+    assert "accumulation_steps=2" in str(info.value)
+    assert relative_difference(model.get_weights(), before) == 0.0
+
+
+# -- compile options and optimizer wrappers ----------------------------------------------------
+def test_use_ema_is_finalized_and_swap_ema_weights_validates_with_the_averages() -> None:
+    x, y = _data()
+
+    def build() -> keras.Model:
+        return _compiled(
+            _regressor(), optimizer=keras.optimizers.SGD(0.05, use_ema=True, ema_momentum=0.9)
+        )
+
+    def fit() -> dict[str, Any]:
+        return {
+            "x": x,
+            "y": y,
+            "batch_size": 16,
+            "epochs": 2,
+            "validation_data": (x[:32], y[:32]),
+            "callbacks": [keras.callbacks.SwapEMAWeights(swap_on_epoch=True)],
+        }
+
+    reference, expected, model, history = _pair(build, fit)
+    # finalize_variable_values ran: the weights are the moving averages, as on one device.
+    assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5
+    _same_history(history, expected)
+
+
+def test_a_users_loss_scale_optimizer_trains_like_one_device() -> None:
+    x, y = _data()
+
+    def build() -> keras.Model:
+        model = _regressor()
+        model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05)), "mse")
+        return model
+
+    reference, expected, model, history = _pair(build, {"x": x, "y": y, "batch_size": 16})
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5
+    _same_history(history, expected)
+
+
+class _Batches(keras.callbacks.Callback):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ends: list[int] = []
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.ends.append(batch)
+
+
+def _has_xla_function(function: Any) -> bool:
+    library = function.graph.as_graph_def().library.function
+    return any(
+        f.attr["_XlaMustCompile"].b for f in library if "_XlaMustCompile" in f.attr
+    )
+
+
+def test_compile_options_jit_compile_and_steps_per_execution_are_honoured() -> None:
+    x, y = _data(96)
+
+    def build() -> keras.Model:
+        return _compiled(_regressor(), jit_compile=True, steps_per_execution=3)
+
+    batches = _Batches()
+    reference, expected, model, history = _pair(
+        build, {"x": x, "y": y, "batch_size": 16, "callbacks": [batches]}
+    )
+    assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5
+    assert int(model.optimizer.iterations.numpy()) == 6
+    # Batch hooks once per execution, numbered as model.fit numbers them (both runs fed the
+    # same callback): 6 steps in calls of 3.
+    assert batches.ends == [2, 5, 2, 5]
+    assert model.train_function.options.jit_compile
+    function = model.train_function._multi.get_concrete_function(
+        iter(strategy_for(2).experimental_distribute_dataset(tf.data.Dataset.from_tensors((x, y)))),
+        tf.constant(3),
+    )
+    assert _has_xla_function(function)
+
+
+# -- callbacks -------------------------------------------------------------------------------
+class _StopAt(keras.callbacks.Callback):
+    def __init__(self, epoch: int) -> None:
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        if epoch == self.epoch:
+            raise RuntimeError("interrupted")
+
+
+def test_backup_and_restore_resumes_at_its_saved_epoch(tmp_path: Path) -> None:
+    x, y = _data()
+    strategy = strategy_for(2)
+    backup = str(tmp_path / "backup")
+    model = _compiled(_regressor())
+    with pytest.raises(RuntimeError, match="interrupted"):
+        tfscale.fit(
+            model,
+            x,
+            y,
+            batch_size=16,
+            epochs=4,
+            shuffle=False,
+            callbacks=[keras.callbacks.BackupAndRestore(backup), _StopAt(1)],
+            strategy=strategy,
+            verbose=0,
+        )
+    resumed = _compiled(_regressor())
+    history = tfscale.fit(
+        resumed,
+        x,
+        y,
+        batch_size=16,
+        epochs=4,
+        shuffle=False,
+        callbacks=[keras.callbacks.BackupAndRestore(backup)],
+        strategy=strategy,
+        verbose=0,
+    )
+    assert history.epoch == [2, 3]
+    whole = _compiled(_regressor())
+    tfscale.fit(whole, x, y, batch_size=16, epochs=4, shuffle=False, strategy=strategy, verbose=0)
+    assert relative_difference(resumed.get_weights(), whole.get_weights()) <= 1e-5
+
+
+def test_terminate_on_nan_stops_and_returns_the_history_instead_of_raising() -> None:
+    x, y = _data()
+    y = y.copy()
+    y[40] = np.nan  # the third batch of 16
+    model = _compiled(_regressor())
+    history = tfscale.fit(
+        model,
+        x,
+        y,
+        batch_size=16,
+        epochs=3,
+        shuffle=False,
+        callbacks=[keras.callbacks.TerminateOnNaN()],
+        strategy=strategy_for(2),
+        verbose=0,
+    )
+    assert model.stop_training and int(model.optimizer.iterations.numpy()) == 2
+    assert np.isnan(history.history["loss"][0])
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    with pytest.raises(tfscale.NonFiniteLossError, match="update 3"):
+        tfscale.fit(
+            _compiled(_regressor()), x, y, batch_size=16, shuffle=False,
+            strategy=strategy_for(2), verbose=0,
+        )  # fmt: skip
+
+
+# -- reuse of compiled functions -----------------------------------------------------------------
+def test_a_second_fit_reuses_the_compiled_functions() -> None:
+    x, y = _data()
+    model = _compiled(_regressor())
+    strategy = strategy_for(2)
+    fit = {"batch_size": 16, "epochs": 2, "validation_data": (x, y), "verbose": 0}
+    tfscale.fit(model, x, y, strategy=strategy, **fit)
+    train, test = model.train_function, model.test_function
+    traces = (
+        train._multi.experimental_get_tracing_count(),
+        test._multi.experimental_get_tracing_count(),
+    )
+    tfscale.fit(model, x, y, strategy=strategy, **fit)
+    assert model.train_function is train and model.test_function is test
+    assert traces == (
+        train._multi.experimental_get_tracing_count(),
+        test._multi.experimental_get_tracing_count(),
+    )
+
+
+# -- BatchNormalization and sparse gradients ---------------------------------------------------
+def _batchnorm() -> keras.Model:
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(8, use_bias=False),  # a bias before BN gets no gradient
+            keras.layers.BatchNormalization(),
+            keras.layers.Dense(1),
+        ]
+    )
+    return _compiled(model)
+
+
+def test_sync_batchnorm_normalizes_with_the_global_batch_as_one_device() -> None:
+    x, y = _data()
+    fit = {"x": x, "y": y, "batch_size": 16, "epochs": 2}
+    reference, _, synced, _ = _pair(_batchnorm, fit, sync_batchnorm=True)
+    assert relative_difference(synced.get_weights(), reference.get_weights()) <= 1e-5
+    _, _, local, _ = _pair(_batchnorm, fit)  # Keras's default: each replica's own statistics
+    assert relative_difference(local.get_weights(), reference.get_weights()) > 1e-4
+
+
+class RecordingSGD(keras.optimizers.SGD):  # type: ignore[misc]
+    """SGD that records the type of each gradient it is given (at trace time)."""
+
+    seen: list[str] = []  # noqa: RUF012
+
+    def update_step(self, gradient: Any, variable: Any, learning_rate: Any) -> None:
+        RecordingSGD.seen.append(f"{type(gradient).__name__} {tuple(variable.shape)}")
+        super().update_step(gradient, variable, learning_rate)
+
+
+def test_embedding_gradients_stay_sparse_through_the_all_reduce() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 500, (32, 5)).astype("int32")
+    y = rng.normal(size=(32, 1)).astype("float32")
+
+    def build() -> keras.Model:
+        keras.utils.set_random_seed(5)
+        inputs = keras.Input((5,), dtype="int32")
+        hidden = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(500, 4)(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+        model.compile(RecordingSGD(0.1), "mse")
+        return model
+
+    RecordingSGD.seen.clear()
+    reference, _, model, _ = _pair(build, {"x": x, "y": y, "batch_size": 16})
+    assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5
+    # The embedding's update got slices on one device and on each of the 2 replicas.
+    embedding = [seen for seen in RecordingSGD.seen if seen.endswith("(500, 4)")]
+    assert embedding == ["IndexedSlices (500, 4)"] * 3
