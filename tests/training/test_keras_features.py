@@ -101,14 +101,12 @@ class PenaltyLayer(keras.layers.Layer):
 
 def _penalized() -> keras.Model:
     keras.utils.set_random_seed(5)
-    layers = [keras.Input((FEATURES,)), keras.layers.Dense(4), PenaltyLayer(), keras.layers.Dense(1)]
-    return keras.Sequential(layers)
+    dense = keras.layers.Dense
+    return keras.Sequential([keras.Input((FEATURES,)), dense(4), PenaltyLayer(), dense(1)])
 
 
 def _compiled(model: keras.Model, **compile_args: Any) -> keras.Model:
-    model.compile(
-        **{"optimizer": keras.optimizers.Adam(0.01), "loss": "mse", **compile_args}
-    )
+    model.compile(**{"optimizer": keras.optimizers.Adam(0.01), "loss": "mse", **compile_args})
     return model
 
 
@@ -206,9 +204,7 @@ class _Batches(keras.callbacks.Callback):
 
 def _has_xla_function(function: Any) -> bool:
     library = function.graph.as_graph_def().library.function
-    return any(
-        f.attr["_XlaMustCompile"].b for f in library if "_XlaMustCompile" in f.attr
-    )
+    return any(f.attr["_XlaMustCompile"].b for f in library if "_XlaMustCompile" in f.attr)
 
 
 def test_compile_options_jit_compile_and_steps_per_execution_are_honoured() -> None:
@@ -218,7 +214,7 @@ def test_compile_options_jit_compile_and_steps_per_execution_are_honoured() -> N
         return _compiled(_regressor(), jit_compile=True, steps_per_execution=3)
 
     batches = _Batches()
-    reference, expected, model, history = _pair(
+    reference, _, model, _ = _pair(
         build, {"x": x, "y": y, "batch_size": 16, "callbacks": [batches]}
     )
     assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5
