@@ -1,4 +1,5 @@
-"""Examples/s of tfscale.fit against Keras ``model.fit`` under the same strategy, same data.
+"""Examples/s of tfscale.fit against Keras ``model.fit`` under the same strategy, same data,
+and the cost of a whole call of each on an already trained model.
 
 Configurations: MLP and small CNN, 1 device (OneDeviceStrategy) and 2 logical CPUs
 (MirroredStrategy), steps_per_execution 1 and 8. On 2 devices both loops run under the
@@ -11,8 +12,12 @@ then times ``--epochs`` epochs and keeps the fastest; runs of the two loops alte
 the table shows the median over ``--repeats`` runs of each side and the median of the
 per-repeat ratios, so a noisy machine affects both sides alike.
 
+``--calls N`` measures instead the wall time of a whole 2-epoch call (``tfscale.fit`` or
+``model.fit``) on a model that has already been trained once, N calls per side, alternating:
+what a second call costs when the compiled functions are reused (no retrace).
+
     python benchmarks/fit_vs_keras.py [--epochs 4] [--repeats 5] [--examples 4096]
-        [--models mlp,cnn] [--devices 1,2] [--steps-per-execution 1,8]
+        [--models mlp,cnn] [--devices 1,2] [--steps-per-execution 1,8] [--calls N]
 """
 
 from __future__ import annotations
@@ -76,7 +81,8 @@ def _measure(runner: str, kind: str, strategy: Any, spe: int, data: Any, epochs:
     else:
         tfscale.fit(
             model,
-            (x, y),
+            x,
+            y,
             batch_size=BATCH,
             epochs=epochs + 1,
             steps_per_execution=spe,
@@ -87,6 +93,51 @@ def _measure(runner: str, kind: str, strategy: Any, spe: int, data: Any, epochs:
     # The first epoch traces. The fastest later epoch is the least disturbed by other
     # processes on a shared machine; both loops are measured the same way.
     return len(x) / min(clock.times[1:])
+
+
+def _call_seconds(kind: str, strategy: Any, spe: int, data: Any, calls: int) -> dict[str, float]:
+    """Median wall seconds of a 2-epoch call on a warm model, for each loop."""
+    x, y = data
+    models = {"keras": _model(kind, strategy, spe), "tfscale": _model(kind, strategy, spe)}
+
+    def call(runner: str) -> float:
+        start = time.perf_counter()
+        if runner == "keras":
+            models[runner].fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
+        else:
+            tfscale.fit(
+                models[runner], x, y, batch_size=BATCH, epochs=2, strategy=strategy, verbose=0
+            )
+        return time.perf_counter() - start
+
+    for runner in models:
+        call(runner)  # traces
+    seconds: dict[str, list[float]] = {runner: [] for runner in models}
+    for _ in range(calls):
+        for runner in models:
+            seconds[runner].append(call(runner))
+    return {runner: statistics.median(values) for runner, values in seconds.items()}
+
+
+def _calls_table(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"a 2-epoch call on a trained model, median of {args.calls} calls")
+    for column in ("model", "devices", "all-reduce", "keras fit s", "tfscale.fit s", "ratio"):
+        table.add_column(column, justify="right")
+    strategies = _strategies(args.devices)  # once: see tensorflow/tensorflow#62790
+    for kind in args.models.split(","):
+        data = _data(kind, args.examples)
+        for replicas, reduction, strategy in strategies:
+            seconds = _call_seconds(kind, strategy, 1, data, args.calls)
+            ratio = seconds["tfscale"] / seconds["keras"]
+            row = (kind, str(replicas), reduction)
+            cells = (f"{seconds['keras']:.3f}", f"{seconds['tfscale']:.3f}", f"{ratio:.2f}x")
+            table.add_row(*row, *cells)
+            print(*row, *cells, flush=True)
+    Console().print(table)
+    return 0
 
 
 def _strategies(replicas: list[int]) -> list[tuple[int, str, tf.distribute.Strategy]]:
@@ -113,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="mlp,cnn")
     parser.add_argument("--devices", type=_ints, default=[1, 2])
     parser.add_argument("--steps-per-execution", type=_ints, default=[1, 8])
+    parser.add_argument("--calls", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.calls:
+        return _calls_table(args)
     from rich.console import Console
     from rich.table import Table
 

@@ -1,6 +1,7 @@
-"""Real multi-process jobs with TensorFlow: MultiWorkerMirrored, a SIGKILLed worker, a PS cluster.
+"""Real multi-process jobs with TensorFlow: MultiWorkerMirrored, a SIGKILLed worker, Keras model.fit
+under MultiWorkerMirrored (seed 001), a PS cluster.
 
-The three jobs start together in one module fixture (TensorFlow start-up dominates, and the
+The jobs start together in one module fixture (TensorFlow start-up dominates, and the
 jobs wait on each other's gRPC most of the time); each test then checks one of them.
 """
 
@@ -87,7 +88,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Job]]:
     root = tmp_path_factory.mktemp("jobs")
     script = str(_DATA / "mwms_train.py")
     started: dict[str, _Job] = {}
-    for name in ("plain", "crash", "ps"):
+    for name in ("plain", "crash", "ps", "keras"):
         (root / name).mkdir()
     plain, crash, ps = root / "plain", root / "crash", root / "ps"
     started["plain"] = _start(
@@ -129,6 +130,10 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Job]]:
             "1:5",
         ],
         crash,
+    )
+    keras_fit = str(_DATA / "keras_fit_train.py")
+    started["keras"] = _start(
+        "keras", ["-n", "2", keras_fit, "--out", str(root / "keras" / "w.npz")], root / "keras"
     )
     started["ps"] = _start(
         "ps", ["--ps", "1", "-n", "2", str(_DATA / "ps_train.py"), str(ps / "result.json")], ps
@@ -190,6 +195,28 @@ def test_sigkilled_worker_stops_the_other_restarts_and_resumes(jobs: dict[str, _
     pids = job.pids
     assert len(pids) == 4 and {r["pid"] for r in records.values()} == set(pids)
     assert _groups_alive(pids) == []
+
+
+def test_keras_model_fit_under_multi_worker_trains_with_one_added_line(
+    jobs: dict[str, _Job],
+) -> None:
+    """Seed 001: model.fit under MultiWorkerMirroredStrategy, plus tfscale.prepare(model)."""
+    import tensorflow as tf
+
+    job = jobs["keras"]
+    assert job.process.returncode == 0, job.stderr[-3000:]
+    assert job.stdout.count("model.fit over 2 replicas: done") == 2
+    script = _load_script()
+    spec = importlib.util.spec_from_file_location("keras_fit", _DATA / "keras_fit_train.py")
+    assert spec is not None and spec.loader is not None
+    keras_fit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(keras_fit)
+    with tf.device("/device:CPU:0"):  # one device, the same global batches
+        reference = script.build_model()
+        reference.fit(keras_fit.dataset(), epochs=2, verbose=0)
+    difference = relative_difference(_weights(job.out_dir / "w.npz"), reference.get_weights())
+    assert difference <= 1e-5, difference
+    assert _groups_alive(job.pids) == []
 
 
 def test_parameter_server_cluster_trains_to_a_lower_loss(jobs: dict[str, _Job]) -> None:

@@ -374,3 +374,32 @@ def test_embedding_gradients_stay_sparse_through_the_all_reduce() -> None:
     # The embedding's update got slices on one device and on each of the 2 replicas.
     embedding = [seen for seen in RecordingSGD.seen if seen.endswith("(500, 4)")]
     assert embedding == ["IndexedSlices (500, 4)"] * 3
+
+
+def test_a_transformer_block_trains_with_gradients_of_unknown_static_shape() -> None:
+    """Dense on (batch, time, features) inputs has a kernel gradient of static shape (None, n)."""
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 50, (32, 6)).astype("int32")
+    y = rng.integers(0, 2, (32,)).astype("int32")
+
+    def build() -> keras.Model:
+        keras.utils.set_random_seed(5)
+        inputs = keras.Input((6,), dtype="int32")
+        h = keras.layers.Embedding(50, 8)(inputs)
+        attended = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)(h, h)
+        h = keras.layers.LayerNormalization()(h + attended)
+        h = keras.layers.LayerNormalization()(h + keras.layers.Dense(8)(keras.layers.Dense(16)(h)))
+        outputs = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling1D()(h))
+        model = keras.Model(inputs, outputs)
+        # SGD: the attention's key bias gets an exactly zero gradient (softmax ignores a
+        # constant shift), and Adam would turn its rounding noise into full-size steps.
+        model.compile(
+            keras.optimizers.SGD(0.1),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+        return model
+
+    reference, expected, model, history = _pair(build, {"x": x, "y": y, "batch_size": 8})
+    assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5
+    _same_history(history, expected)

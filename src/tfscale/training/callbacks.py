@@ -21,25 +21,42 @@ def is_chief(strategy: tf.distribute.Strategy) -> bool:
 
 class NonFiniteGuard(keras.callbacks.Callback):  # type: ignore[misc]
     """Stops training with :class:`NonFiniteLossError` at the first non-finite loss or
-    gradient (the optimizer's count of skipped updates, ``skipped``, went up).
+    gradient (the optimizer's count of skipped updates went up).
 
     The update whose gradient was not finite was skipped on every replica (the distributed
-    update tests the reduced gradient), so the weights stay finite. ``tfscale.fit`` adds this
-    guard unless the user passed ``keras.callbacks.TerminateOnNaN``, which stops quietly.
+    update tests the reduced gradient), and with ``halt_on_nonfinite`` every later one too,
+    so the model stays as it was before it. That lets this guard run off the training thread
+    (``async_safe``: Keras then does not wait for each step's logs, which would cost about a
+    millisecond a step on small models); its error reaches ``fit`` a few steps later, with the
+    number of the bad update. ``tfscale.fit`` adds it unless the user passed
+    ``keras.callbacks.TerminateOnNaN``, which stops quietly.
+
+    Args:
+        update: The model optimizer's ``DistributedUpdate`` (None: the loss alone is read).
     """
 
-    def __init__(self, skipped: tf.Variable | None = None) -> None:
+    async_safe = True
+
+    def __init__(self, update: Any = None) -> None:
         super().__init__()
-        self._skipped = skipped
+        self._update = update
         self._seen = 0
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
-        self._seen = 0 if self._skipped is None else int(self._skipped.numpy())
+        if self._update is not None:
+            self._seen = int(self._update.skipped.numpy())
+            self._update.halted.assign(0)
+            self._update.halt_on_nonfinite.assign(1)
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        if self._update is not None:
+            self._update.halt_on_nonfinite.assign(0)
+            self._update.halted.assign(0)
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         loss = (logs or {}).get("loss")
         value = float("nan") if loss is None else float(np.asarray(loss))
-        skipped = self._seen if self._skipped is None else int(self._skipped.numpy())
+        skipped = self._seen if self._update is None else int(self._update.skipped.numpy())
         if (loss is None or math.isfinite(value)) and skipped == self._seen:
             return
         update = int(self.model.optimizer.iterations.numpy()) + 1

@@ -107,6 +107,17 @@ def _expected_end_of_data(config: CheckpointConfig | None, unknown_length: bool)
 
 
 @contextlib.contextmanager
+def _halt_released(update: Any) -> Iterator[None]:
+    """Keras skips on_train_end when fit raises: a later model.fit must not stay halted
+    (``NonFiniteGuard``)."""
+    try:
+        yield
+    finally:
+        update.halt_on_nonfinite.assign(0)
+        update.halted.assign(0)
+
+
+@contextlib.contextmanager
 def _steps_per_execution(model: Any, value: int | None) -> Iterator[None]:
     """Runs ``value`` steps per call of the train function for this call only."""
     if value is None:
@@ -274,7 +285,7 @@ def fit(
     if not any(isinstance(c, keras.callbacks.TerminateOnNaN) for c in callback_list):
         loss_scaled = isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
         # Under loss scaling skipping an overflow is the normal course (the scale adapts).
-        callback_list.append(NonFiniteGuard(None if loss_scaled else state.update.skipped))
+        callback_list.append(NonFiniteGuard(None if loss_scaled else state.update))
     callback_list.append(ExactSteps())
     if config is not None:
         data_epoch = None if order is None else order.epoch
@@ -284,6 +295,7 @@ def fit(
     with (
         _steps_per_execution(model, steps_per_execution),
         _expected_end_of_data(config, from_function and num_workers(strategy) > 1),
+        _halt_released(state.update),
     ):
         history: keras.callbacks.History = model.fit(
             x=x,

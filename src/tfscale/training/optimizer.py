@@ -12,7 +12,9 @@ custom loop under ``strategy.run``)::
                                   clip by the global norm (tfscale.fit(clipnorm=...))
                                   all finite? -> the user's optimizer.apply(g)   (its own
                                                  all-reduce switched off: already reduced)
-                                  else        -> skipped on every replica, counted
+                                  else        -> skipped on every replica, counted (and,
+                                                 while ``halt_on_nonfinite`` is set, every
+                                                 later update too: tfscale.fit then stops)
 
 The example count ``c`` comes from the step tfscale traced (``step_context``), where losses
 are plain per-replica means (``internals.replica_count_scaling_off``); in a custom loop
@@ -133,6 +135,9 @@ class DistributedUpdate:
         all_reduce_traces: Gradient all-reduces traced so far (tests and profiling).
         all_reduce_runs: Gradient all-reduces run (replica 0's count).
         skipped: Updates skipped because a reduced gradient was not finite.
+        halt_on_nonfinite: While 1, a non-finite update also halts every later update
+            (``halted``), so a stop noticed a few steps late (``tfscale.fit``'s guard runs
+            off the training thread) leaves the model as it was before the bad update.
     """
 
     def __init__(self, optimizer: Any, strategy: tf.distribute.Strategy) -> None:
@@ -145,12 +150,15 @@ class DistributedUpdate:
         self._accumulators: dict[int, tf.Variable] = {}
         with strategy.scope():
             self.all_reduce_runs = self._local_counter("all_reduce_runs", tf.int64)
-            self.skipped = tf.Variable(
-                0,
-                dtype=tf.int64,
-                trainable=False,
-                name="skipped_updates",
-                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+            self.skipped, self.halted, self.halt_on_nonfinite = (
+                tf.Variable(
+                    0,
+                    dtype=tf.int64,
+                    trainable=False,
+                    name=name,
+                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                )
+                for name in ("skipped_updates", "halted", "halt_on_nonfinite")
             )
             self._micro_batches = self._local_counter("micro_batches", tf.int64)
             self._count = self._sum_variable(tf.zeros((), tf.float32), "count_accum")
@@ -333,8 +341,10 @@ class DistributedUpdate:
 
         def skip() -> None:
             self.skipped.assign_add(1)
+            self.halted.assign(self.halt_on_nonfinite)
 
-        self._branch(_all_finite(grads), apply, skip, [grads[i] for i in present])
+        go = tf.logical_and(_all_finite(grads), tf.equal(self.halted, 0))
+        self._branch(go, apply, skip, [grads[i] for i in present])
 
     def _branch(
         self,
