@@ -401,5 +401,8 @@ def test_a_transformer_block_trains_with_gradients_of_unknown_static_shape() -> 
         return model
 
     reference, expected, model, history = _pair(build, {"x": x, "y": y, "batch_size": 8})
-    assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5
+    # Over the whole model: the key bias stays at rounding noise (1e-11) on both sides, where
+    # a per-array relative difference would compare noise with noise.
+    flat = [np.concatenate([w.ravel() for w in m.get_weights()]) for m in (model, reference)]
+    assert relative_difference(flat[0], flat[1]) <= 1e-6
     _same_history(history, expected)

@@ -16,7 +16,7 @@ import tensorflow as tf
 import tfscale
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mwms_train import BATCH, build_model, make_data  # noqa: E402
+from mwms_train import BATCH, build_model, make_data
 
 
 def dataset() -> tf.data.Dataset:
