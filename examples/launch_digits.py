@@ -31,7 +31,8 @@ def main() -> None:
         model = build_model("mlp")
     tfscale.fit(
         model,
-        (data.x_train, data.y_train),
+        data.x_train,
+        data.y_train,
         epochs=args.epochs,
         batch_size=args.batch_size,
         checkpoint_dir=args.checkpoint_dir,
