@@ -17,6 +17,7 @@ from typing import Any
 
 __all__ = [
     "distributed_container",
+    "epoch_iterator_dataset",
     "flatten_layers",
     "is_array_input",
     "keras_loss_module",
@@ -70,6 +71,11 @@ def symbolic_build(model: Any, data_batch: Any) -> None:
     ("Attempt to convert a value (PerReplica...)", keras-team/keras#20585).
     """
     model._symbolic_build(data_batch=data_batch)
+
+
+def epoch_iterator_dataset(epoch_iterator: Any) -> Any:
+    """The dataset behind Keras's ``TFEpochIterator`` (``_distributed_dataset``)."""
+    return epoch_iterator._distributed_dataset
 
 
 def set_initial_epoch(model: Any, epoch: int | None) -> None:

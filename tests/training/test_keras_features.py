@@ -406,3 +406,35 @@ def test_a_transformer_block_trains_with_gradients_of_unknown_static_shape() -> 
     flat = [np.concatenate([w.ravel() for w in m.get_weights()]) for m in (model, reference)]
     assert relative_difference(flat[0], flat[1]) <= 1e-6
     _same_history(history, expected)
+
+
+class _Batches16(keras.utils.PyDataset):  # type: ignore[misc]
+    def __init__(self, x: np.ndarray, y: np.ndarray) -> None:
+        super().__init__()
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x) // 16
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        part = slice(index * 16, (index + 1) * 16)
+        return self.x[part], self.y[part]
+
+
+def test_generators_and_py_datasets_lose_no_batch() -> None:
+    """Keras's own fit under a strategy reads one batch of a generator to build the model
+    and then trains without it; tfscale builds from the input's element spec."""
+    x, y = _data()
+
+    def generator() -> Any:
+        for start in range(0, len(x), 16):
+            yield x[start : start + 16], y[start : start + 16]
+
+    for make in (generator, lambda: _Batches16(x, y)):
+        reference, expected, model, history = _pair(
+            lambda: _compiled(_regressor()),
+            lambda: {"x": make()},  # noqa: B023
+        )
+        assert int(model.optimizer.iterations.numpy()) == len(x) // 16
+        assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5
+        _same_history(history, expected)

@@ -199,7 +199,9 @@ class Prepared:
         return current
 
     def symbolic_build(self, iterator: Any = None, data_batch: Any = None) -> None:
-        """Keras's ``_maybe_symbolic_build`` with one replica's batch (see the module doc)."""
+        """Keras's ``_maybe_symbolic_build``, from the input's element spec (see the module
+        doc): no batch is read, so a Python generator loses none (Keras's own build reads
+        one from it, and its fit under a strategy then trains without that batch)."""
         model = self.model
         unbuilt = (
             not all(layer.built for layer in internals.flatten_layers(model))
@@ -208,18 +210,23 @@ class Prepared:
         )
         if unbuilt:
             if data_batch is None and iterator is not None:
-                for _, _, source in iterator:
-                    batch = source[0] if isinstance(source, (list, tuple)) else next(source)
-                    data_batch = tf.nest.map_structure(self._first_replica, batch)
-                    break
+                data_batch = self._spec_of(iterator)
             with self.strategy.scope():
                 internals.symbolic_build(model, data_batch)
         self.ready()
 
-    def _first_replica(self, value: Any) -> Any:
-        if isinstance(value, tf.distribute.DistributedValues):
-            return self.strategy.experimental_local_results(value)[0]
-        return value
+    def _spec_of(self, iterator: Any) -> Any:
+        """One replica's batch structure (``tf.TensorSpec``s) of Keras's epoch iterator."""
+        spec = internals.epoch_iterator_dataset(iterator).element_spec
+        # TypeSpecs (PerReplicaSpec included) are leaves of tf.nest without expand_composites.
+        return tf.nest.map_structure(self._first_replica_spec, spec)
+
+    @staticmethod
+    def _first_replica_spec(spec: Any) -> Any:
+        # A distributed dataset's spec is a PerReplicaSpec (its components, one per local
+        # replica); a plain dataset's a TensorSpec.
+        components = getattr(spec, "_value_specs", None)
+        return components[0] if components else spec
 
 
 def prepared(model: Any) -> Prepared | None:
