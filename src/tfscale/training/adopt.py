@@ -20,7 +20,7 @@ import tensorflow as tf
 from tfscale import internals
 from tfscale.errors import TrainingError, explain
 
-__all__ = ["adopt", "model_optimizers", "outside_variables"]
+__all__ = ["adopt", "all_variables", "model_optimizers", "outside_variables"]
 
 
 def model_optimizers(model: Any) -> list[Any]:
@@ -44,7 +44,8 @@ def model_optimizers(model: Any) -> list[Any]:
     return list(found.values())
 
 
-def _variables(model: Any) -> list[Any]:
+def all_variables(model: Any) -> list[Any]:
+    """Every variable of the model: weights, metrics' state, its optimizers' state."""
     seen: dict[int, Any] = {}
     groups: list[Iterable[Any]] = [model.variables, model.metrics_variables]
     for optimizer in model_optimizers(model):
@@ -59,7 +60,7 @@ def outside_variables(model: Any, strategy: tf.distribute.Strategy) -> list[Any]
     """The model's variables (weights, metrics, optimizer state) ``strategy`` does not hold."""
     return [
         v
-        for v in _variables(model)
+        for v in all_variables(model)
         if not strategy.extended.variable_created_in_scope(internals.distributed_container(v))
     ]
 

@@ -27,6 +27,8 @@ import keras
 import tensorflow as tf
 
 from tfscale import internals
+from tfscale.errors import TrainingError, explain
+from tfscale.training.adopt import all_variables
 from tfscale.training.prepare import prepared
 
 __all__ = ["CheckpointCallback", "CheckpointConfig"]
@@ -127,6 +129,34 @@ class CheckpointCallback(keras.callbacks.Callback):  # type: ignore[misc]
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
 
+    def _restore(self, latest: str) -> None:
+        """Restores ``latest``, refusing a checkpoint of another model before any training."""
+        assert self._checkpoint is not None
+        # A failed restore may have assigned part of the model (or its optimizer) already:
+        # their values are put back, so the refused run leaves the model as it was.
+        variables = all_variables(self.model)
+        saved = [v.numpy() for v in variables]
+        try:
+            # The model alone first: every weight must be in the checkpoint, with its shape.
+            status = tf.train.Checkpoint(model=self.model).restore(latest)
+            status.expect_partial()  # the rest of the checkpoint is read just below
+            status.assert_existing_objects_matched()
+            self._checkpoint.restore(latest).expect_partial()
+        except (AssertionError, ValueError, tf.errors.OpError) as error:
+            for variable, value in zip(variables, saved, strict=True):
+                variable.assign(value)
+            first = str(error).strip().splitlines()[0][:300]
+            raise TrainingError(
+                explain(
+                    f"checkpoint_dir holds a checkpoint that does not fit model "
+                    f"{self.model.name!r}, so training cannot resume from it.",
+                    received=f"{latest}: {first}",
+                    allowed="a folder with no checkpoint, or checkpoints of this model",
+                    fix="give this model its own checkpoint_dir (or delete the old checkpoints "
+                    "if they are not needed)",
+                )
+            ) from None
+
     # -- Keras hooks ---------------------------------------------------------------------
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self._build()
@@ -135,7 +165,7 @@ class CheckpointCallback(keras.callbacks.Callback):  # type: ignore[misc]
             return
         assert self._checkpoint is not None
         assert self._epoch is not None and self._batches is not None
-        self._checkpoint.restore(latest).expect_partial()
+        self._restore(latest)
         epoch, batches = int(self._epoch.numpy()), int(self._batches.numpy())
         internals.set_initial_epoch(self.model, epoch)
         self._skip_first_epoch = batches

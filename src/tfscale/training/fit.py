@@ -22,6 +22,12 @@ from tfscale import internals
 from tfscale.errors import TrainingError, explain
 from tfscale.training.callbacks import ExactSteps, NonFiniteGuard, is_chief
 from tfscale.training.checkpoint import CheckpointCallback, CheckpointConfig
+from tfscale.training.checks import (
+    check_batch_size,
+    check_checkpoint_dir,
+    check_inputs,
+    check_validation,
+)
 from tfscale.training.coordinator import fit_with_coordinator, is_parameter_server
 from tfscale.training.data import EpochOrder, distributed_input, is_dataset_fn, num_workers
 from tfscale.training.prepare import check_model, prepare, prepared, resolve_strategy
@@ -227,8 +233,14 @@ def fit(
     x, y, sample_weight = _from_data(data, x, y, sample_weight)
     check_model(model)
     _check_input(x, steps_per_epoch)
+    check_batch_size("batch_size", batch_size)
+    check_batch_size("validation_batch_size", validation_batch_size)
+    check_inputs(model, x, y, validation_split)
+    check_validation(x, validation_data)
     strategy = resolve_strategy(model, strategy)
     config = _checkpoint_config(checkpoint_dir)
+    if config is not None:
+        check_checkpoint_dir(config.directory)
     if is_parameter_server(strategy):
         return fit_with_coordinator(
             model,

@@ -1,0 +1,166 @@
+"""What ``tfscale.fit`` checks before any work: each problem knowable up front becomes a
+``TrainingError`` saying what was received, what is allowed and how to fix it, instead of a
+silent no-op, a raw TensorFlow error mid-epoch, or an error after the first epoch."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from tfscale.errors import TrainingError, explain
+
+__all__ = ["check_batch_size", "check_checkpoint_dir", "check_inputs", "check_validation"]
+
+
+def check_batch_size(name: str, value: object) -> None:
+    """``batch_size`` / ``validation_batch_size``: None or a positive integer."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise TrainingError(
+            explain(
+                f"{name} must be a positive integer: the GLOBAL examples of one step.",
+                received=f"{name}={value!r}",
+                allowed="None (32 for arrays) or an int >= 1",
+                fix=f"{name}=64",
+            )
+        )
+
+
+def _arrays(value: Any) -> list[np.ndarray]:
+    return [a for a in tf.nest.flatten(value) if isinstance(a, (np.ndarray, tf.Tensor))]
+
+
+def _length(value: Any) -> int | None:
+    arrays = _arrays(value)
+    if not arrays:
+        return None
+    shape = arrays[0].shape
+    return None if not len(shape) or shape[0] is None else int(shape[0])
+
+
+def _string_inputs(model: Any) -> bool:
+    inputs = getattr(model, "inputs", None) or []
+    return any(tf.as_dtype(getattr(i, "dtype", "float32")) == tf.string for i in inputs)
+
+
+def check_inputs(model: Any, x: Any, y: Any, validation_split: float) -> None:
+    """Empty data, text in a numeric model, a validation split out of range.
+
+    Raises:
+        TrainingError: The first problem found.
+    """
+    if isinstance(validation_split, bool) or not 0.0 <= float(validation_split) < 1.0:
+        raise TrainingError(
+            explain(
+                "validation_split is the fraction of the arrays kept for validation.",
+                received=f"validation_split={validation_split!r}",
+                allowed="a float in [0, 1)",
+            )
+        )
+    if isinstance(x, tf.data.Dataset) and int(x.cardinality()) == 0:
+        raise TrainingError(
+            explain(
+                "The dataset is empty: there is nothing to train on.",
+                received="a tf.data.Dataset with cardinality 0",
+                fix="check the dataset's source and any filter(), take() or shard() on it",
+            )
+        )
+    if _length(x) == 0 or (x is not None and y is not None and _length(y) == 0):
+        raise TrainingError(
+            explain(
+                "The arrays hold no examples: there is nothing to train on.",
+                received=f"x with {_length(x)} examples",
+                allowed="at least one example",
+            )
+        )
+    texts = [a for a in _arrays(x) if np.asarray(a).dtype.kind in "USO"]
+    if texts and not _string_inputs(model):
+        raise TrainingError(
+            explain(
+                f"x holds text ({texts[0].dtype} array) but model {model.name!r} has no string "
+                "input, so no layer can read it.",
+                received=f"an array of dtype {texts[0].dtype}, shape {tuple(texts[0].shape)}",
+                allowed="numbers, or text for a model whose input is keras.Input(dtype='string') "
+                "(e.g. followed by keras.layers.TextVectorization)",
+                fix="vectorize first: ids = keras.layers.TextVectorization(...)(texts), or put "
+                "the TextVectorization layer inside the model",
+            )
+        )
+
+
+def _input_shapes(inputs: Any) -> list[tuple[Any, ...]] | None:
+    """Shapes after the batch dimension of every input array (or dataset input)."""
+    if isinstance(inputs, tf.data.Dataset):
+        spec = inputs.element_spec
+        first = spec[0] if isinstance(spec, tuple) else spec
+        return [tuple(s.shape[1:]) for s in tf.nest.flatten(first)]
+    arrays = _arrays(inputs)
+    return [tuple(np.shape(a)[1:]) for a in arrays] if arrays else None
+
+
+def check_validation(x: Any, validation_data: Any) -> None:
+    """Validation inputs whose feature shapes differ from the training inputs' (which Keras
+    would only find after the first epoch).
+
+    Raises:
+        TrainingError: The shapes differ.
+    """
+    if validation_data is None:
+        return
+    train = _input_shapes(x)
+    held_inputs = validation_data
+    if isinstance(validation_data, (tuple, list)) and validation_data:
+        held_inputs = validation_data[0]  # (x_val, y_val[, sample_weight])
+    held = _input_shapes(held_inputs)
+    if train is None or held is None or len(train) != len(held):
+        return
+    for left, right in zip(train, held, strict=True):
+        known = all(a is not None and b is not None for a, b in zip(left, right, strict=False))
+        if len(left) != len(right) or (known and left != right):
+            raise TrainingError(
+                explain(
+                    "validation_data's inputs do not have the training inputs' shape, so "
+                    "validation would fail after the first epoch.",
+                    received=f"training inputs of shape (batch, {', '.join(map(str, left))}), "
+                    f"validation inputs of shape (batch, {', '.join(map(str, right))})",
+                    allowed="the same shape after the batch dimension",
+                    fix="pass validation_data=(x_val, y_val) preprocessed like x",
+                )
+            )
+
+
+def check_checkpoint_dir(directory: str) -> None:
+    """A folder that is a file, lies under a file, or cannot be written.
+
+    Raises:
+        TrainingError: The folder cannot hold checkpoints.
+    """
+    path = os.path.abspath(directory)
+    probe = path
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if os.path.exists(probe) and not os.path.isdir(probe):
+        raise TrainingError(
+            explain(
+                "checkpoint_dir cannot be created: "
+                + ("it is a file." if probe == path else f"{probe} is a file."),
+                received=f"checkpoint_dir={directory!r}",
+                allowed="a folder (created if missing) under existing folders",
+                fix="choose another folder, e.g. checkpoint_dir='ckpt/'",
+            )
+        )
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise TrainingError(
+            explain(
+                f"checkpoint_dir cannot be written: {probe} is not writable by this user.",
+                received=f"checkpoint_dir={directory!r}",
+                fix="choose a folder you can write, or fix its permissions",
+            )
+        )

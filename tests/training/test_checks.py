@@ -1,0 +1,95 @@
+"""Inputs tfscale.fit refuses before any training work, each with a TrainingError that names
+what was received and how to fix it (the model is left untouched)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfscale
+from tfscale.testing import relative_difference
+
+from .helpers import strategy_for
+
+X = np.random.default_rng(0).normal(size=(64, 6)).astype("float32")
+Y = np.random.default_rng(1).normal(size=(64, 1)).astype("float32")
+
+
+def _model() -> keras.Model:
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    return model
+
+
+def _refused(match: str, **kwargs: Any) -> str:
+    model = _model()
+    before = model.get_weights()
+    with pytest.raises(tfscale.TrainingError, match=match) as info:
+        tfscale.fit(model, strategy=strategy_for(2), verbose=0, **kwargs)
+    assert int(model.optimizer.iterations.numpy()) == 0
+    assert relative_difference(model.get_weights(), before) == 0.0
+    message = str(info.value)
+    assert "Received:" in message
+    return message
+
+
+def test_empty_arrays_and_empty_datasets() -> None:
+    assert "0 examples" in _refused("hold no examples", x=X[:0], y=Y[:0])
+    empty = tf.data.Dataset.from_tensor_slices((X, Y)).batch(8).take(0)
+    assert "cardinality 0" in _refused("dataset is empty", x=empty)
+
+
+@pytest.mark.parametrize("value", [0, -32, 2.5, True])
+def test_batch_sizes_that_are_not_positive_integers(value: object) -> None:
+    message = _refused("batch_size must be a positive integer", x=X, y=Y, batch_size=value)
+    assert f"batch_size={value!r}" in message and "Fix:" in message
+
+
+def test_text_for_a_model_without_a_string_input() -> None:
+    text = np.array([["a"] * 6] * 64)
+    assert "TextVectorization" in _refused("holds text", x=text, y=Y)
+
+
+def test_validation_data_of_another_shape_is_refused_before_the_first_epoch() -> None:
+    message = _refused("validation_data", x=X, y=Y, validation_data=(X[:, :3], Y))
+    assert "(batch, 6)" in message and "(batch, 3)" in message
+    dataset = tf.data.Dataset.from_tensor_slices((X[:, :3], Y)).batch(8)
+    _refused("validation_data", x=X, y=Y, validation_data=dataset)
+
+
+def test_a_validation_split_out_of_range() -> None:
+    _refused("validation_split", x=X, y=Y, validation_split=1.5)
+
+
+def test_checkpoint_folder_that_is_or_lies_under_a_file(tmp_path: Path) -> None:
+    afile = tmp_path / "weights.h5"
+    afile.write_text("not a folder")
+    assert "is a file" in _refused("checkpoint_dir cannot be created", x=X, y=Y,
+                                   checkpoint_dir=str(afile))  # fmt: skip
+    _refused("checkpoint_dir cannot be created", x=X, y=Y, checkpoint_dir=str(afile / "ck"))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to any folder")
+def test_checkpoint_folder_that_cannot_be_written(tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    _refused("cannot be written", x=X, y=Y, checkpoint_dir=str(locked / "ck"))
+
+
+def test_checkpoint_of_another_model_is_refused_before_training(tmp_path: Path) -> None:
+    other = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    other.compile("sgd", "mse")
+    folder = str(tmp_path / "ck")
+    tfscale.fit(
+        other, np.zeros((8, 3), "float32"), np.zeros((8, 2), "float32"),
+        checkpoint_dir=folder, strategy=strategy_for(2), verbose=0,
+    )  # fmt: skip
+    message = _refused("does not fit model", x=X, y=Y, checkpoint_dir=folder)
+    assert "ckpt-" in message and "own checkpoint_dir" in message
