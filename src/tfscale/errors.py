@@ -84,8 +84,12 @@ class TaskError(TfscaleError):
     """A task of a :class:`tfscale.TaskPool` failed, timed out or could not be scheduled."""
 
 
-class PartitionError(TfscaleError):
-    """A model cannot be split into pipeline stages as asked."""
+class PartitionError(TfscaleError, ValueError):
+    """A model cannot be split into pipeline stages as asked.
+
+    Also a ``ValueError``, so that Keras passes it on where it wraps other errors of a model's
+    first call in a RuntimeError ("Unable to automatically build the model").
+    """
 
 
 class LaunchError(TfscaleError):

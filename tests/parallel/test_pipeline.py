@@ -215,6 +215,25 @@ def test_a_replicating_strategy_is_refused(cpu_devices: list[str]) -> None:
         strategy.run(piped, args=(tf.constant(data(seed=2)[0]),))
 
 
+def test_tfscale_fit_refuses_what_the_pipeline_cannot_run_before_training(
+    cpu_devices: list[str],
+) -> None:
+    x, y = data(seed=3, n=90)
+    piped = tfscale.pipeline(build(), cpu_devices[:2], microbatches=4)
+    piped.compile(optimizer="sgd", loss="mse")
+    before = piped.get_weights()
+    with pytest.raises(tfscale.PartitionError, match="batch of 30 examples"):
+        tfscale.fit(piped, x, y, batch_size=30, verbose=0)
+    with pytest.raises(tfscale.PartitionError, match="last batch of an epoch holds 26"):
+        tfscale.fit(piped, x, y, batch_size=32, verbose=0)  # 32, 32, then 26
+    with pytest.raises(tfscale.PartitionError, match="last batch of an epoch holds 2 "):
+        tfscale.fit(piped, x[:64], y[:64], batch_size=32, validation_data=(x[:34], y[:34]))
+    with pytest.raises(tfscale.PartitionError, match="cannot also be replicated"):
+        tfscale.fit(piped, x[:64], y[:64], batch_size=32, strategy=mirrored_on_cpus(2))
+    assert int(piped.optimizer.iterations.numpy()) == 0
+    assert relative_difference(piped.get_weights(), before) == 0.0
+
+
 def test_remat_with_a_random_layer_warns(cpu_devices: list[str]) -> None:
     model = keras.Sequential(
         [keras.Input((4,)), keras.layers.Dense(4), keras.layers.Dropout(0.5, name="drop")]

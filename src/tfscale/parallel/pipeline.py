@@ -78,6 +78,30 @@ class PipelineModel(PlacedModel):
         self.schedule: GPipeSchedule = gpipe_schedule(len(self.stage_sizes), self.microbatches)
         self.plan = plan
 
+    def check_batches(self, batch_size: int, examples: int | None = None) -> None:
+        """Refuses batches that ``microbatches`` does not divide, before training starts.
+
+        Args:
+            batch_size: The batch size of a step.
+            examples: Examples in an epoch, when known: the last, partial batch must divide
+                too.
+
+        Raises:
+            PartitionError: The batch, or the last partial batch, does not divide.
+        """
+        sizes = [batch_size]
+        if examples is not None and examples % batch_size:
+            sizes.append(examples % batch_size)
+        for size in sizes:
+            if size % self.microbatches:
+                message = _microbatch_message(size, self.microbatches)
+                if size != batch_size:
+                    message = (
+                        f"The last batch of an epoch holds {size} of {examples} examples.\n"
+                        + message
+                    )
+                raise PartitionError(message)
+
     def _split(self, inputs: tf.Tensor) -> list[tf.Tensor]:
         m = self.microbatches
         static = inputs.shape[0]

@@ -220,7 +220,14 @@ class PlacedModel(keras.Model):  # type: ignore[misc]
         )
 
     def _check_not_replicated(self) -> None:
-        strategy = tf.distribute.get_strategy()
+        self.check_strategy(tf.distribute.get_strategy())
+
+    def check_strategy(self, strategy: tf.distribute.Strategy) -> None:
+        """Refuses a strategy that would replicate the model (``tfscale.fit`` asks first).
+
+        Raises:
+            PartitionError: ``strategy`` has more than one replica.
+        """
         if strategy.num_replicas_in_sync > 1:
             raise PartitionError(
                 explain(

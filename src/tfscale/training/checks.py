@@ -12,7 +12,13 @@ import tensorflow as tf
 
 from tfscale.errors import TrainingError, explain
 
-__all__ = ["check_batch_size", "check_checkpoint_dir", "check_inputs", "check_validation"]
+__all__ = [
+    "check_batch_size",
+    "check_checkpoint_dir",
+    "check_inputs",
+    "check_pipeline_batches",
+    "check_validation",
+]
 
 
 def check_batch_size(name: str, value: object) -> None:
@@ -164,3 +170,24 @@ def check_checkpoint_dir(directory: str) -> None:
                 fix="choose a folder you can write, or fix its permissions",
             )
         )
+
+
+def check_pipeline_batches(model: Any, x: Any, batch_size: int | None) -> None:
+    """A pipelined model's micro-batches against the batches ``fit`` will give it.
+
+    Raises:
+        PartitionError: ``microbatches`` does not divide a batch (the last one included),
+            where the batches are known before training.
+    """
+    check = getattr(model, "check_batches", None)
+    if not callable(check):
+        return
+    if isinstance(x, tf.data.Dataset):
+        first = tf.nest.flatten(x.element_spec)[0]
+        static = first.shape[0] if first.shape.rank else None
+        if static is not None:
+            check(int(static))
+        return
+    examples = _length(x)
+    if examples is not None:
+        check(32 if batch_size is None else int(batch_size), examples)

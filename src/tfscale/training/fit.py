@@ -26,6 +26,7 @@ from tfscale.training.checks import (
     check_batch_size,
     check_checkpoint_dir,
     check_inputs,
+    check_pipeline_batches,
     check_validation,
 )
 from tfscale.training.coordinator import fit_with_coordinator, is_parameter_server
@@ -237,6 +238,11 @@ def fit(
     check_batch_size("validation_batch_size", validation_batch_size)
     check_inputs(model, x, y, validation_split)
     check_validation(x, validation_data)
+    check_pipeline_batches(model, x, batch_size)
+    if isinstance(validation_data, (tuple, list)) and validation_data:
+        check_pipeline_batches(model, validation_data[0], validation_batch_size or batch_size)
+    elif validation_data is not None:
+        check_pipeline_batches(model, validation_data, None)
     strategy = resolve_strategy(model, strategy)
     config = _checkpoint_config(checkpoint_dir)
     if config is not None:

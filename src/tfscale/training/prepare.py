@@ -277,6 +277,9 @@ def prepare(
         )
     precision = resolve_precision(mixed_precision)
     strategy = resolve_strategy(model, strategy)
+    own_check = getattr(model, "check_strategy", None)  # a model placed over devices by hand
+    if callable(own_check):
+        own_check(strategy)
     jit = bool(model.jit_compile) if jit_compile is None else bool(jit_compile)
     options = Options(
         accumulation_steps=accumulation_steps,
