@@ -126,14 +126,22 @@ def logical_device_names(kind: str = "CPU") -> list[str]:
     return [d.name for d in tf.config.list_logical_devices(kind)]
 
 
+# Logical devices share their physical device's cores (or memory): past a few per core they
+# only add per-replica overhead, and hundreds make a two-step fit run for minutes.
+MAX_VIRTUAL_DEVICES = 64
+
+
 def _check_request(n: object, kind: object, memory_limit_mb: object) -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_VIRTUAL_DEVICES:
         raise DeviceConfigError(
             explain(
-                "The number of virtual devices must be a positive integer.",
+                f"The number of virtual devices must be an integer from 1 to "
+                f"{MAX_VIRTUAL_DEVICES}.",
                 received=n,
-                allowed="an int >= 1",
-                fix="tfscale.use_virtual_devices(2) splits the CPU into 2 logical devices.",
+                allowed=f"an int in 1..{MAX_VIRTUAL_DEVICES} (this machine has "
+                f"{os.cpu_count()} CPU cores; 2-8 logical devices are what tests and demos use)",
+                fix="tfscale.use_virtual_devices(2) (or TFSCALE_VIRTUAL_DEVICES=2) splits the "
+                "CPU into 2 logical devices.",
             )
         )
     if kind not in _KINDS:
