@@ -32,7 +32,7 @@ def test_reconfiguring_after_start_is_a_clear_error() -> None:
 def test_bad_counts_are_refused(bad: object) -> None:
     with pytest.raises(tfscale.DeviceConfigError, match="an integer from 1 to 64") as info:
         tfscale.use_virtual_devices(bad)  # type: ignore[arg-type]
-    assert f"Received: {bad!r}" in str(info.value)
+    assert f"Received: n={bad!r}" in str(info.value)
 
 
 def test_absent_gpu_is_refused_with_what_is_present() -> None:

@@ -137,7 +137,7 @@ def _check_request(n: object, kind: object, memory_limit_mb: object) -> None:
             explain(
                 f"The number of virtual devices must be an integer from 1 to "
                 f"{MAX_VIRTUAL_DEVICES}.",
-                received=n,
+                received=f"n={n!r}",
                 allowed=f"an int in 1..{MAX_VIRTUAL_DEVICES} (this machine has "
                 f"{os.cpu_count()} CPU cores; 2-8 logical devices are what tests and demos use)",
                 fix="tfscale.use_virtual_devices(2) (or TFSCALE_VIRTUAL_DEVICES=2) splits the "
