@@ -9,6 +9,7 @@ import tensorflow as tf
 import tfscale
 from tfscale.testing import relative_difference
 from tfscale.training import Trainer
+from tfscale.training.allreduce import buckets
 from tfscale.training.prepare import prepared
 
 from .helpers import DATA, batches, reference_weights, strategy_for, tiny_model
@@ -157,3 +158,47 @@ def test_the_default_strategy_trains_like_one_device() -> None:
     model = tiny_model(None, "adam")
     tfscale.fit(model, batches(x, y, BATCH), steps_per_epoch=STEPS, strategy=strategy, verbose=0)
     assert relative_difference(model.get_weights(), _reference("adam", BATCH)) <= 1e-5
+
+
+def test_bucketed_all_reduce_gives_the_packed_weights_with_one_collective_per_bucket() -> None:
+    x, y = DATA
+    strategy = strategy_for(2)
+    weights = []
+    for bucket_bytes in (None, 64):  # the tiny MLP's 6 gradients: 1 bucket, or several
+        model = tiny_model(strategy, "adam")
+        tfscale.fit(
+            model, batches(x, y, BATCH), steps_per_epoch=STEPS, bucket_bytes=bucket_bytes,
+            strategy=strategy, verbose=0,
+        )  # fmt: skip
+        weights.append(model.get_weights())
+    gradients = [tf.zeros(v.shape) for v in model.trainable_variables]
+    assert len(buckets(gradients, None)) == 1 and len(buckets(gradients, 64)) >= 3
+    assert relative_difference(weights[1], weights[0]) <= 1e-6
+    assert relative_difference(weights[0], _reference("adam", BATCH)) <= 1e-5
+
+
+@pytest.mark.parametrize(("compression", "tolerance"), [("bf16", 2e-2), ("fp16", 3e-3)])
+def test_compressed_all_reduce_stays_close_to_float32(compression: str, tolerance: float) -> None:
+    """bfloat16 keeps 8 bits of mantissa, float16 11: after 5 Adam updates the weights stay
+    within these relative differences of the float32 all-reduce (measured: bf16 6.2e-3,
+    fp16 9.1e-4 on this model), and move as much as training moves them."""
+    x, y = DATA
+    strategy = strategy_for(2)
+    model = tiny_model(strategy, "adam")
+    tfscale.fit(
+        model, batches(x, y, BATCH), steps_per_epoch=STEPS, gradient_compression=compression,
+        strategy=strategy, verbose=0,
+    )  # fmt: skip
+    expected = _reference("adam", BATCH)
+    difference = relative_difference(model.get_weights(), expected)
+    assert 0.0 < difference <= tolerance
+    untrained = tiny_model(strategy, "adam").get_weights()
+    assert relative_difference(untrained, expected) > 10 * tolerance
+
+
+def test_unknown_gradient_compression_is_refused() -> None:
+    strategy = strategy_for(2)
+    with pytest.raises(tfscale.TrainingError, match="Unknown gradient_compression"):
+        tfscale.fit(
+            tiny_model(strategy), *DATA, gradient_compression="int8", strategy=strategy, verbose=0
+        )

@@ -38,6 +38,9 @@ _DEFAULTS: Mapping[str, object] = {
     "remat": False,
     "jit_compile": False,
     "validation_data": None,
+    "sync_batchnorm": False,
+    "bucket_bytes": None,
+    "gradient_compression": None,
 }
 
 

@@ -174,6 +174,8 @@ def fit(
     remat: bool = False,
     jit_compile: bool | None = None,
     sync_batchnorm: bool = False,
+    bucket_bytes: int | None = None,
+    gradient_compression: str | None = None,
     checkpoint_dir: str | CheckpointConfig | None = None,
 ) -> keras.callbacks.History:
     """Trains a compiled Keras model over every replica of a strategy, as ``model.fit`` would
@@ -217,6 +219,9 @@ def fit(
         jit_compile: XLA for each replica's forward and backward pass; None keeps
             compile()'s choice.
         sync_batchnorm: Normalize with the whole global batch's statistics.
+        bucket_bytes: All-reduce gradients in buckets of this many bytes, overlapped with the
+            backward pass; None packs them into one all-reduce (see :func:`tfscale.prepare`).
+        gradient_compression: ``"bf16"`` / ``"fp16"``: all-reduce dense gradients in it.
         checkpoint_dir: Folder (or :class:`CheckpointConfig`) to save to every epoch and
             every N steps, and to resume from, mid-epoch included.
 
@@ -265,6 +270,9 @@ def fit(
             remat=remat,
             jit_compile=bool(jit_compile),
             validation_data=validation_data,
+            sync_batchnorm=sync_batchnorm,
+            bucket_bytes=bucket_bytes,
+            gradient_compression=gradient_compression,
         )
     prepare(
         model,
@@ -275,6 +283,8 @@ def fit(
         remat=remat,
         jit_compile=jit_compile,
         sync_batchnorm=sync_batchnorm,
+        bucket_bytes=bucket_bytes,
+        gradient_compression=gradient_compression,
     )
     order = None
     if config is not None and shuffle is True and internals.is_array_input(x, y, sample_weight):

@@ -44,7 +44,7 @@ import tensorflow as tf
 
 from tfscale import internals
 from tfscale.errors import TrainingError, explain
-from tfscale.training.allreduce import all_reduce_packed
+from tfscale.training.allreduce import Compression, all_reduce_packed
 
 __all__ = ["DistributedUpdate", "StepContext", "distributed_update", "step_context"]
 
@@ -132,6 +132,8 @@ class DistributedUpdate:
         optimizer: The model's optimizer (possibly a ``LossScaleOptimizer``).
         accumulation_steps: Micro-batches per update.
         clipnorm: Clip the reduced gradient to this global norm, or None.
+        bucket_bytes: Bytes per all-reduce bucket; None packs all gradients in one.
+        compression: ``"bf16"`` / ``"fp16"`` to all-reduce dense gradients in that type.
         all_reduce_traces: Gradient all-reduces traced so far (tests and profiling).
         all_reduce_runs: Gradient all-reduces run (replica 0's count).
         skipped: Updates skipped because a reduced gradient was not finite.
@@ -145,6 +147,8 @@ class DistributedUpdate:
         self.strategy = strategy
         self.accumulation_steps = 1
         self.clipnorm: float | None = None
+        self.bucket_bytes: int | None = None
+        self.compression: Compression | None = None
         self.all_reduce_traces = 0
         self._original_apply: Callable[..., Any] = type(optimizer).apply.__get__(optimizer)
         self._accumulators: dict[int, tf.Variable] = {}
@@ -258,7 +262,13 @@ class DistributedUpdate:
         values.append(count)
         if reduce:
             self.all_reduce_traces += 1
-            values = all_reduce_packed(values, tf.distribute.get_replica_context())
+            values = all_reduce_packed(
+                values,
+                tf.distribute.get_replica_context(),
+                bucket_bytes=self.bucket_bytes,
+                compression=self.compression,
+                keep=[len(values) - 1],  # the example count stays float32
+            )
             self.all_reduce_runs.assign_add(1)
         *reduced, total = values
         grads = [

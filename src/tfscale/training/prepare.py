@@ -29,6 +29,7 @@ import tensorflow as tf
 from tfscale import internals
 from tfscale.errors import TrainingError, explain
 from tfscale.training.adopt import adopt, model_optimizers
+from tfscale.training.allreduce import Compression, check_compression
 from tfscale.training.function import StepFunction
 from tfscale.training.optimizer import DistributedUpdate, distributed_update
 from tfscale.training.precision import Precision, apply_policy, resolve_precision
@@ -47,10 +48,14 @@ class Options:
         jit_compile: Compile the model's forward and backward pass with XLA.
         sync_batchnorm: BatchNormalization statistics over all replicas' examples.
         precision: The decided mixed precision.
+        bucket_bytes: Bytes per gradient all-reduce bucket; None, one packed all-reduce.
+        gradient_compression: ``"bf16"`` / ``"fp16"``: all-reduce dense gradients in it.
     """
 
     accumulation_steps: int = 1
     clipnorm: float | None = None
+    bucket_bytes: int | None = None
+    gradient_compression: Compression | None = None
     remat: bool = False
     jit_compile: bool = False
     sync_batchnorm: bool = False
@@ -152,6 +157,8 @@ class Prepared:
             update = distributed_update(optimizer, self.strategy)
             update.accumulation_steps = self.options.accumulation_steps
             update.clipnorm = self.options.clipnorm
+            update.bucket_bytes = self.options.bucket_bytes
+            update.compression = self.options.gradient_compression
             out.append(update)
         return out
 
@@ -245,6 +252,8 @@ def prepare(
     remat: bool = False,
     jit_compile: bool | None = None,
     sync_batchnorm: bool = False,
+    bucket_bytes: int | None = None,
+    gradient_compression: str | None = None,
 ) -> Any:
     """Makes a compiled model's ``fit`` / ``evaluate`` correct and complete on every replica.
 
@@ -262,6 +271,14 @@ def prepare(
             what ``compile(jit_compile=...)`` decided.
         sync_batchnorm: BatchNormalization layers normalize with the statistics of the
             whole global batch (``BatchNormalization(synchronized=True)``), as on one device.
+        bucket_bytes: All-reduce the gradients in buckets of about this many bytes, from
+            the last layer's backwards, so that communication overlaps the rest of the
+            backward pass; None (the default) packs them into one all-reduce, the cheapest
+            for models whose gradients are small against ``sqrt(alpha * bytes / beta)``
+            (``tfscale bench`` measures alpha and beta and recommends a size).
+        gradient_compression: ``"bf16"`` or ``"fp16"``: all-reduce dense gradients in that
+            type (half the bytes; the sum is rounded to it). ``"fp16"`` overflows past
+            65504: use it with loss scaling, which backs off on overflow.
 
     Returns:
         The same model object.
@@ -271,6 +288,9 @@ def prepare(
     """
     check_model(model)
     _positive_int("accumulation_steps", accumulation_steps)
+    if bucket_bytes is not None:
+        _positive_int("bucket_bytes", bucket_bytes)
+    compression = check_compression(gradient_compression)
     if clipnorm is not None and (isinstance(clipnorm, bool) or not clipnorm > 0):
         raise TrainingError(
             explain("clipnorm must be positive.", received=clipnorm, allowed="a float > 0")
@@ -288,6 +308,8 @@ def prepare(
         jit_compile=jit,
         sync_batchnorm=bool(sync_batchnorm),
         precision=precision,
+        bucket_bytes=bucket_bytes,
+        gradient_compression=compression,
     )
     state = prepared(model)
     if state is None or state.strategy is not strategy:
