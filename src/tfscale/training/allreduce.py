@@ -167,14 +167,15 @@ def all_reduce_packed(
     Returns:
         The summed values, in the order given, each with its own shape and dtype.
     """
+    target = None if compression is None else COMPRESSIONS[compression]
     dense: list[Any] = [None] * len(values)
     sparse: list[int] = []
     for index, value in enumerate(values):
         if isinstance(value, tf.IndexedSlices):
             sparse.append(index)
         elif value is not None:
-            cast = compression is not None and index not in keep and value.dtype.is_floating
-            dense[index] = tf.cast(value, COMPRESSIONS[compression]) if cast else value
+            cast = target is not None and index not in keep and value.dtype.is_floating
+            dense[index] = tf.cast(value, target) if cast else value
     out: list[Any] = list(values)
     with tf.name_scope(ALL_REDUCE_SCOPE):
         for bucket in buckets(dense, bucket_bytes):
