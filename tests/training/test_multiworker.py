@@ -45,6 +45,12 @@ for name in ("sgd", "adam"):
     tfscale.fit(model, batches(x, y, 32), steps_per_epoch=5, strategy=strategy, verbose=1)
     weights.update({f"{name}_{i}": w for i, w in enumerate(model.get_weights())})
 
+# Bucketed and bf16-compressed all-reduces across the workers (collectives over gRPC).
+for name, options in (("bucketed", {"bucket_bytes": 64}), ("bf16", {"gradient_compression": "bf16"})):
+    model = tiny_model(strategy, "adam")
+    tfscale.fit(model, batches(x, y, 32), steps_per_epoch=5, strategy=strategy, verbose=0, **options)
+    weights.update({f"{name}_{i}": w for i, w in enumerate(model.get_weights())})
+
 # Seed 001's pattern: Keras's own model.fit under MultiWorkerMirroredStrategy, after one
 # added line (tfscale.prepare).
 model = tiny_model(strategy, "adam")
@@ -173,6 +179,10 @@ def test_two_workers_equal_mirrored_over_two_cpus(tmp_path: Path) -> None:
             if name == "adam":
                 by_model_fit = [worker[f"prepared_{i}"] for i in range(len(mirrored))]
                 assert relative_difference(by_model_fit, mirrored) <= 1e-5, "model.fit"
+                bucketed = [worker[f"bucketed_{i}"] for i in range(len(mirrored))]
+                assert relative_difference(bucketed, mirrored) <= 1e-5, "bucketed"
+                compressed = [worker[f"bf16_{i}"] for i in range(len(mirrored))]
+                assert 0.0 < relative_difference(compressed, mirrored) <= 2e-2, "bf16"
     # The progress bar: printed by the chief (worker 0) only.
     assert "5/5" in str(reports[0]["stdout"]) and "5/5" not in str(reports[1]["stdout"])
     for report in reports:

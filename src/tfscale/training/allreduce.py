@@ -125,15 +125,19 @@ def _flat_size(tensor: tf.Tensor) -> Any:
 def _reduce_packed(
     values: Sequence[tf.Tensor], context: tf.distribute.ReplicaContext
 ) -> list[tf.Tensor]:
-    """One collective for ``values`` (one packed buffer per dtype)."""
+    """One collective per dtype of ``values`` (usually one in all), each a packed buffer."""
     groups: dict[tf.DType, list[int]] = {}
     for index, value in enumerate(values):
         groups.setdefault(value.dtype, []).append(index)
-    flats = [
-        tf.concat([tf.reshape(values[i], [-1]) for i in indices], axis=0)
+    # One call per dtype: MultiWorkerMirroredStrategy's collective implementation packs the
+    # tensors of one call into one buffer, which fails for mixed dtypes.
+    reduced = [
+        context.all_reduce(
+            tf.distribute.ReduceOp.SUM,
+            tf.concat([tf.reshape(values[i], [-1]) for i in indices], axis=0),
+        )
         for indices in groups.values()
     ]
-    reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, flats)
     out: list[Any] = [None] * len(values)
     for flat, indices in zip(reduced, groups.values(), strict=True):
         sizes = [_flat_size(values[i]) for i in indices]
