@@ -46,9 +46,11 @@ for name in ("sgd", "adam"):
     weights.update({f"{name}_{i}": w for i, w in enumerate(model.get_weights())})
 
 # Bucketed and bf16-compressed all-reduces across the workers (collectives over gRPC).
-for name, options in (("bucketed", {"bucket_bytes": 64}), ("bf16", {"gradient_compression": "bf16"})):
+variants = {"bucketed": {"bucket_bytes": 64}, "bf16": {"gradient_compression": "bf16"}}
+for name, options in variants.items():
     model = tiny_model(strategy, "adam")
-    tfscale.fit(model, batches(x, y, 32), steps_per_epoch=5, strategy=strategy, verbose=0, **options)
+    data = batches(x, y, 32)
+    tfscale.fit(model, data, steps_per_epoch=5, strategy=strategy, verbose=0, **options)
     weights.update({f"{name}_{i}": w for i, w in enumerate(model.get_weights())})
 
 # Seed 001's pattern: Keras's own model.fit under MultiWorkerMirroredStrategy, after one
