@@ -42,8 +42,8 @@ class _Job:
         return [int(p) for p in re.findall(r"\(pid (\d+)\)", self.stderr)]
 
 
-def _start(name: str, args: list[str], out_dir: Path) -> _Job:
-    env = dict(os.environ, PYTHONPATH=str(_ROOT / "src"), TF_CPP_MIN_LOG_LEVEL="3")
+def _start(name: str, args: list[str], out_dir: Path, **extra_env: str) -> _Job:
+    env = dict(os.environ, PYTHONPATH=str(_ROOT / "src"), TF_CPP_MIN_LOG_LEVEL="3", **extra_env)
     env.pop("TF_CONFIG", None)
     env.pop("TFSCALE_VIRTUAL_DEVICES", None)
     process = subprocess.Popen(
@@ -106,6 +106,9 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Job]]:
             str(plain),
         ],
         plain,
+        # CUDA reads -1 as "no GPU": the launcher must train on CPUs, not refuse ("2 workers
+        # cannot each have their own GPU: 1 visible", as it did when it split on commas).
+        CUDA_VISIBLE_DEVICES="-1",
     )
     started["crash"] = _start(
         "crash",
@@ -158,8 +161,10 @@ def _load_script() -> ModuleType:
     return module
 
 
-def test_two_workers_equal_mirrored_over_two_logical_cpus(jobs: dict[str, _Job]) -> None:
-    job = jobs["plain"]
+def test_two_workers_with_no_gpu_visible_equal_mirrored_over_two_logical_cpus(
+    jobs: dict[str, _Job],
+) -> None:
+    job = jobs["plain"]  # run with CUDA_VISIBLE_DEVICES=-1
     assert job.process.returncode == 0, job.stderr[-3000:]
     assert "[worker 0] MultiWorkerMirrored with 2 replicas: done" in job.stdout
     assert "[worker 1] MultiWorkerMirrored with 2 replicas: done" in job.stdout
@@ -167,6 +172,8 @@ def test_two_workers_equal_mirrored_over_two_logical_cpus(jobs: dict[str, _Job])
     _, reference = _load_script().train(mirrored, epochs=4)
     difference = relative_difference(_weights(job.out_dir / "w.npz"), reference)
     assert difference <= 1e-5, difference
+    records = [json.loads(p.read_text()) for p in job.out_dir.glob("worker*-0.json")]
+    assert [r["cuda_visible_devices"] for r in records] == ["-1", "-1"]
     assert _groups_alive(job.pids) == []
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tfscale.device_names import select_devices
 from tfscale.errors import PartitionError, explain
 from tfscale.parallel.partition import PartitionPlan, chain_layers
 
@@ -34,7 +35,7 @@ def resolve_devices(devices: Sequence[str] | None) -> list[str]:
 
     Args:
         devices: Device names (``"/device:CPU:1"``, ``"GPU:0"``...), or None for every
-            logical GPU, else every logical CPU.
+            logical GPU, else every logical CPU (:mod:`tfscale.device_names` decides).
 
     Returns:
         Fully qualified logical device names, in the order given.
@@ -42,41 +43,15 @@ def resolve_devices(devices: Sequence[str] | None) -> list[str]:
     Raises:
         PartitionError: A name TensorFlow does not list, a repeated device, or an empty list.
     """
-    gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
-    cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
-    if devices is None:
-        return gpus or cpus
-    known = {_short(name): name for name in gpus + cpus}
-    names = list(devices)
-    resolved = [known.get(_short(str(name))) for name in names]
-    missing = [n for n, r in zip(names, resolved, strict=True) if r is None]
-    if not names or missing or len(set(resolved)) != len(resolved):
-        problem = (
-            "No devices were given."
-            if not names
-            else f"Unknown devices: {missing}."
-            if missing
-            else "A device appears twice; each stage needs its own device."
-        )
-        raise PartitionError(
-            explain(
-                problem,
-                received=names,
-                allowed=f"distinct names among {sorted(known.values())}",
-                fix="pass devices=None to use every logical GPU (else CPU), or split one device "
-                "with tfscale.use_virtual_devices(n) before TensorFlow starts.",
-            )
-        )
-    return [r for r in resolved if r is not None]
-
-
-def _short(name: str) -> str:
-    """``/job:localhost/replica:0/task:0/device:CPU:1`` and ``/cpu:1`` -> ``CPU:1``."""
-    tail = name.rsplit("/", 1)[-1]
-    if tail.lower().startswith("device:"):
-        tail = tail[len("device:") :]
-    kind, _, index = tail.partition(":")
-    return f"{kind.upper()}:{index}"
+    logical = [d.name for d in tf.config.list_logical_devices()]
+    return select_devices(
+        devices,
+        logical,
+        who="pipeline/place",
+        error=PartitionError,
+        fix="pass devices=None to use every logical GPU (else CPU), or split one device "
+        "with tfscale.use_virtual_devices(n) before TensorFlow starts.",
+    )
 
 
 def move_weights(model: keras.Model, placed: PlacedModel) -> None:
