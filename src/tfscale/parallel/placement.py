@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from tfscale.device_names import select_devices
 from tfscale.errors import PartitionError, explain
+from tfscale.internals import backing_variable, reinitialize_variable, set_model_strategy
 from tfscale.parallel.partition import PartitionPlan, chain_layers
 
 __all__ = ["PlacedModel", "move_weights", "place", "resolve_devices", "run_stage"]
@@ -67,7 +68,7 @@ def move_weights(model: keras.Model, placed: PlacedModel) -> None:
     for index, device in enumerate(placed.stage_devices):
         for layer in placed.stage_layers(index):
             for variable in layer.weights:
-                current = getattr(variable, "_value", None)
+                current = backing_variable(variable)
                 if not isinstance(current, tf.Variable) or current.device.endswith(
                     device.rsplit("/", 1)[-1]
                 ):
@@ -77,7 +78,7 @@ def move_weights(model: keras.Model, placed: PlacedModel) -> None:
                 ):
                     continue  # a strategy owns these variables' placement
                 with tf.init_scope(), tf.device(device):
-                    variable._initialize(tf.identity(current))
+                    reinitialize_variable(variable, tf.identity(current))
     for attribute in ("train_function", "test_function", "predict_function"):
         if getattr(model, attribute, None) is not None:
             setattr(model, attribute, None)
@@ -175,7 +176,7 @@ class PlacedModel(keras.Model):  # type: ignore[misc]
         # It declares the default (no-op) strategy as its own, so tfscale.fit, which
         # trains a model with the model's own strategy when given none, and Keras's fit
         # both train it as it is instead of choosing a MirroredStrategy over the devices.
-        self._distribute_strategy = tf.distribute.get_strategy()
+        set_model_strategy(self, tf.distribute.get_strategy())
         self.chain = list(layers)
         self.stage_sizes = tuple(int(s) for s in sizes)
         self.stage_devices = tuple(devices)
