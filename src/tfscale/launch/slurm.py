@@ -9,7 +9,6 @@ the script, so the process Slurm watches and signals is the script itself. ``sru
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -18,6 +17,7 @@ from typing import NoReturn
 from tfscale.cluster import DEVICE_KINDS_ENV, cluster_from_slurm
 from tfscale.errors import LaunchError, explain
 from tfscale.launch.gpus import assign_gpus, visible_gpus
+from tfscale.processes import replace_process
 
 __all__ = ["DEFAULT_SLURM_PORT", "exec_slurm_task", "sbatch_script", "slurm_task_env"]
 
@@ -70,10 +70,7 @@ def exec_slurm_task(
 ) -> NoReturn:
     """Replaces this process with ``python script...`` running with its ``TF_CONFIG``."""
     task_env = slurm_task_env(env, port_base=port_base)
-    argv = [python, *script]
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(python, argv, task_env)
+    replace_process([python, *script], task_env)
 
 
 def sbatch_script(
