@@ -345,15 +345,16 @@ def find_cuda_libraries(
     return tuple(sorted(best.values(), key=lambda lib: (lib.name, lib.version, lib.path)))
 
 
-def probe_tf_config(raw: str | None) -> str | None:
-    """Validates ``TF_CONFIG`` with tfscale's cluster parser; returns the error text or None."""
-    if raw is None or not raw.strip():
+def probe_tf_config(env: Mapping[str, str]) -> str | None:
+    """Validates ``TF_CONFIG`` as ``choose_strategy`` will (through the cluster sources: in a
+    Kubernetes pod, as a TFJob writes it); returns the error text or None."""
+    if not env.get("TF_CONFIG", "").strip():
         return None
-    from tfscale.cluster import parse_tf_config
+    from tfscale.cluster import cluster_from_env
     from tfscale.errors import ClusterConfigError
 
     try:
-        parse_tf_config(raw)
+        cluster_from_env(env)
     except ClusterConfigError as error:
         return str(error)
     return None
