@@ -61,7 +61,7 @@ def _finish(job: _Job, deadline: float) -> None:
     try:
         job.stdout, job.stderr = job.process.communicate(timeout=max(1.0, deadline - time.time()))
     except subprocess.TimeoutExpired:
-        os.killpg(job.process.pid, 9)  # the launcher; its tasks are in their own groups
+        os.killpg(job.process.pid, 9)  # the launcher; its tasks die with it (process layer)
         job.process.communicate()
         raise
 
