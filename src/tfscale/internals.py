@@ -1,20 +1,23 @@
 """Every private Keras and TensorFlow name tfscale reaches, in one place.
 
-Keras and TensorFlow have no public way to do a few things tfscale needs (find the strategy a
-variable belongs to, walk a functional model's graph, bound the wait for a missing worker,
-read a profiler trace). Each such access is one small function here, with one test in
-``tests/test_internals.py`` that fails with a clear message when an upgrade removes or
-renames the name, so that an upgrade is a one-file job. Nothing else in tfscale reads a
-``_private`` attribute of a Keras or TensorFlow object or imports ``keras.src`` /
-``tensorflow.python`` (``tests/test_internals.py`` scans for it).
+Keras and TensorFlow have no public way to do a few things tfscale needs (re-create a model's
+variables under a strategy, switch off the optimizer's built-in all-reduce, let a compiled
+step see losses unscaled by the replica count). Each such access is one small function here,
+with a test in ``tests/test_internals.py`` that fails with a clear message when an upgrade
+removes or renames the name, so that an upgrade is a one-file job.
 
-Grouped by library; each docstring says which name, why it is needed, and the upstream issue
-where there is one. Keras and TensorFlow are imported inside the functions, so importing this
-module stays TensorFlow-free (the doctor's parent side uses it).
+Grouped by library; each docstring says why the name is needed.
+
+Keras and TensorFlow are imported inside the functions, so importing this module stays
+TensorFlow-free (the doctor's parent side uses it). Nothing else in tfscale outside
+``training/`` reads a ``_private`` attribute of a Keras or TensorFlow object or imports
+``keras.src`` / ``tensorflow.python`` (``tests/test_internals.py`` scans for it).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = [
@@ -26,23 +29,118 @@ __all__ = [
     "coordination_config_pb2",
     "cross_device_ops",
     "dataset_batch_size",
+    "distributed_container",
     "eager_context",
+    "flatten_layers",
     "forget_collective_setup",
     "functional_nodes",
     "inbound_nodes",
+    "is_array_input",
+    "keras_loss_module",
     "model_strategy",
     "node_key",
+    "optimizer_trainable_variables",
+    "override",
+    "reduce_per_replica",
     "reinitialize_variable",
+    "replica_count_scaling_off",
+    "set_initial_epoch",
     "set_model_strategy",
+    "set_optimizer_strategy",
     "slurm_cluster_resolver_module",
+    "strategy_supports_no_merge_call",
     "symbolic_build",
     "tensor_producer",
+    "train_validation_split",
+    "uses_default_step",
     "variable_strategy",
     "xplane_pb2",
 ]
 
 
-# -- Keras models -------------------------------------------------------------------------------
+# -- instances ------------------------------------------------------------------------------
+def override(instance: Any, name: str, value: Any) -> None:
+    """Sets ``name`` on one instance only, bypassing Keras's tracking ``__setattr__``.
+
+    Keras layers and optimizers track attributes set on them (a function would be wrapped or
+    listed as a dependency); writing the instance ``__dict__`` replaces a method for that one
+    object and is undone with :func:`restore`.
+    """
+    instance.__dict__[name] = value
+
+
+def restore(instance: Any, name: str) -> None:
+    """Undoes :func:`override`."""
+    instance.__dict__.pop(name, None)
+
+
+# -- Keras models ---------------------------------------------------------------------------
+def set_model_strategy(model: Any, strategy: Any) -> None:
+    """``model._distribute_strategy``: the strategy Keras's ``fit`` distributes with.
+
+    Keras records the strategy whose scope was active when the model was created; a model
+    moved into another strategy's scope must say so, or ``fit`` keeps the old one.
+    """
+    model._distribute_strategy = strategy
+
+
+def symbolic_build(model: Any, data_batch: Any) -> None:
+    """``model._symbolic_build``: creates the model's, metrics' and optimizer's variables.
+
+    What Keras's own ``fit`` runs before its first step (``_maybe_symbolic_build``), called
+    here with one replica's batch because Keras's version reduces a distributed batch with
+    ``strategy.reduce``, which fails under MultiWorkerMirroredStrategy
+    ("Attempt to convert a value (PerReplica...)", keras-team/keras#20585).
+    """
+    model._symbolic_build(data_batch=data_batch)
+
+
+def set_initial_epoch(model: Any, epoch: int | None) -> None:
+    """``model._initial_epoch``: the epoch ``fit`` starts at, as BackupAndRestore sets it."""
+    model._initial_epoch = epoch
+
+
+def flatten_layers(model: Any, include_self: bool = True) -> list[Any]:
+    """``Layer._flatten_layers``: every layer nested in ``model``, recursively."""
+    return list(model._flatten_layers(include_self=include_self, recursive=True))
+
+
+def uses_default_step(model: Any, name: str) -> bool:
+    """Whether ``model``'s class keeps Keras's own ``train_step`` / ``test_step``.
+
+    Compared with the TensorFlow backend's trainer class, which defines them.
+    """
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    own = getattr(type(model), name, None)
+    return own is getattr(TensorFlowTrainer, name)
+
+
+def reduce_per_replica(values: Any, strategy: Any) -> Any:
+    """Keras's reduction of a step's per-replica outputs to one value each (mean).
+
+    Used for what a custom ``train_step`` returns beyond the model's metrics, so those values
+    reach callbacks exactly as under ``model.fit``.
+    """
+    from keras.src.backend.tensorflow.trainer import reduce_per_replica as reduce
+
+    return reduce(values, strategy, reduction="auto")
+
+
+def is_array_input(x: Any, y: Any, sample_weight: Any) -> bool:
+    """Whether Keras reads ``(x, y, sample_weight)`` with its array adapter (slices arrays)."""
+    from keras.src.trainers.data_adapters.array_data_adapter import can_convert_arrays
+
+    return bool(can_convert_arrays((x, y, sample_weight)))
+
+
+def train_validation_split(arrays: Any, validation_split: float) -> tuple[Any, Any]:
+    """Keras's own split of arrays for ``validation_split`` (the last part validates)."""
+    from keras.src.trainers.data_adapters.array_slicing import train_validation_split as split
+
+    return split(arrays, validation_split=validation_split)  # type: ignore[no-any-return]
+
+
 def model_strategy(model: Any) -> Any:
     """``Model._distribute_strategy``: the strategy whose scope the model was built in.
 
@@ -50,24 +148,6 @@ def model_strategy(model: Any) -> Any:
     when the model was built outside any scope. (``scope.check_scope`` / ``fix_scope``.)
     """
     return getattr(model, "_distribute_strategy", None)
-
-
-def set_model_strategy(model: Any, strategy: Any) -> None:
-    """``Model._distribute_strategy = strategy``: the strategy Keras's ``fit`` distributes with.
-
-    A pipelined model places its own ops on its stages' devices and declares the default
-    (no-op) strategy as its own, so ``fit`` does not replicate it. (``parallel/placement.py``.)
-    """
-    model._distribute_strategy = strategy
-
-
-def symbolic_build(model: Any, data_batch: Any) -> None:
-    """``Model._symbolic_build``: creates the model's, metrics' and optimizer's variables.
-
-    What Keras's own ``fit`` runs before its first step; a benchmark that times the first
-    steps of two loops builds both sides this way first. (``benchmarks/step_vs_keras.py``.)
-    """
-    model._symbolic_build(data_batch=data_batch)
 
 
 def compile_config_objects(model: Any) -> dict[str, Any] | None:
@@ -115,7 +195,23 @@ def tensor_producer(tensor: Any) -> Any:
     return tensor._keras_history[0]
 
 
-# -- Keras variables ----------------------------------------------------------------------------
+# -- Keras variables and optimizers ---------------------------------------------------------
+def reinitialize_variable(variable: Any, value: Any) -> None:
+    """``keras.Variable._initialize``: re-creates the ``tf.Variable`` behind a Keras variable.
+
+    Called inside ``strategy.scope()``, the new ``tf.Variable`` is distributed (mirrored, or
+    sync-on-read for metrics) with the variable's own aggregation and synchronization, while
+    the Keras variable object, which layers, optimizers and checkpoints refer to, stays the
+    same. Keras has no public way to move an existing model into a strategy.
+    """
+    variable._initialize(value)
+
+
+def distributed_container(variable: Any) -> Any:
+    """The ``tf.Variable`` behind a Keras variable (``keras.Variable.value`` is public)."""
+    return getattr(variable, "value", variable)
+
+
 def backing_variable(variable: Any) -> Any:
     """``keras.Variable._value``: the ``tf.Variable`` holding a Keras variable's value.
 
@@ -125,17 +221,82 @@ def backing_variable(variable: Any) -> Any:
     return getattr(variable, "_value", None)
 
 
-def reinitialize_variable(variable: Any, value: Any) -> None:
-    """``keras.Variable._initialize``: re-creates the ``tf.Variable`` behind a Keras variable.
+def set_optimizer_strategy(optimizer: Any, strategy: Any) -> None:
+    """``optimizer._distribution_strategy``: the strategy a Keras TF optimizer updates with.
 
-    Called under a ``tf.device`` scope, the new ``tf.Variable`` lives there while the Keras
-    variable object (which layers, optimizers and checkpoints refer to) stays the same:
-    Keras has no public way to move an existing weight to another device. (``placement.py``.)
+    Keras's TF optimizer records the strategy current when it was created and uses it to
+    place its slots and to run its update; an optimizer moved into a strategy must say so.
     """
-    variable._initialize(value)
+    if hasattr(optimizer, "_distribution_strategy"):
+        optimizer._distribution_strategy = strategy
 
 
-# -- TensorFlow: tf.distribute ------------------------------------------------------------------
+def disable_builtin_all_reduce(optimizer: Any) -> None:
+    """Makes a Keras TF optimizer apply gradients as given, without all-reducing them.
+
+    Keras 3's TensorFlow optimizer sums gradients over replicas inside ``apply`` whenever it
+    runs in a replica context (``_backend_update_step`` -> ``_all_reduce_sum_gradients``) and
+    has no switch to turn it off (tf.keras had ``experimental_aggregate_gradients``;
+    keras-team/keras#19308 asks for it back). tfscale reduces the gradients itself, once per
+    update, before the optimizer sees them.
+    """
+    if hasattr(type(optimizer), "_all_reduce_sum_gradients"):
+        override(optimizer, "_all_reduce_sum_gradients", list)
+
+
+def optimizer_trainable_variables(optimizer: Any) -> list[Any]:
+    """``optimizer._trainable_variables``: what ``apply(grads)`` without variables updates."""
+    return list(optimizer._trainable_variables)
+
+
+# -- Keras losses ---------------------------------------------------------------------------
+def keras_loss_module() -> Any:
+    """``keras.src.losses.loss``, home of the replica-count scaling of losses."""
+    from keras.src.losses import loss
+
+    return loss
+
+
+@contextlib.contextmanager
+def replica_count_scaling_off() -> Iterator[None]:
+    """Lets losses computed while this is active be per-replica means, unscaled.
+
+    Under a strategy with N replicas Keras divides each ``Loss`` result and the sum of the
+    model's extra losses by N (``scale_loss_for_distribution``) and multiplies the loss
+    metric back (``unscale_loss_for_distribution``), so that summing gradients over replicas
+    gives the mean. A ``compute_loss`` override or a ``train_step`` that computes its own
+    loss is scaled once, twice or never depending on how it was written, and an uneven split
+    of a batch is weighted wrongly (tensorflow/tensorflow#42446). tfscale instead weights
+    each replica by its example count in its own all-reduce, so every loss must be the plain
+    per-replica value while the step is traced.
+    """
+    module = keras_loss_module()
+    saved = (module.scale_loss_for_distribution, module.unscale_loss_for_distribution)
+    module.scale_loss_for_distribution = _identity
+    module.unscale_loss_for_distribution = _identity
+    try:
+        yield
+    finally:
+        module.scale_loss_for_distribution, module.unscale_loss_for_distribution = saved
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+# -- TensorFlow -----------------------------------------------------------------------------
+def strategy_supports_no_merge_call() -> bool:
+    """``tf.__internal__.distribute.strategy_supports_no_merge_call``.
+
+    True where replica code may branch on a value and call the optimizer inside the branch
+    (MultiWorkerMirrored); MirroredStrategy's replica threads need ``merge_call`` for that.
+    """
+    import tensorflow as tf
+
+    supports: Callable[[], bool] = tf.__internal__.distribute.strategy_supports_no_merge_call
+    return bool(supports())
+
+
 #: ``type(tf.distribute.get_strategy()).__name__`` outside every scope: TensorFlow's private
 #: default strategy class, which the doctor must tell from strategies the user built. Its name
 #: is compared as text because the doctor's parent process imports no TensorFlow.
@@ -159,7 +320,7 @@ def cross_device_ops(strategy: Any) -> Any:
     return getattr(strategy.extended, "_cross_device_ops", None)
 
 
-# -- TensorFlow: the eager context --------------------------------------------------------------
+# -- TensorFlow: the eager context ----------------------------------------------------------
 def eager_context() -> Any:
     """``tensorflow.python.eager.context.context()``: the process's eager context.
 
@@ -209,7 +370,7 @@ def coordination_config_pb2() -> Any:
     return importlib.import_module("tensorflow.compiler.xla.tsl.protobuf.coordination_config_pb2")
 
 
-# -- TensorFlow: tf.data, profiler, cluster resolvers -------------------------------------------
+# -- TensorFlow: tf.data, profiler, cluster resolvers ---------------------------------------
 def dataset_batch_size(dataset: Any) -> Any:
     """``BatchDataset._batch_size``: the batch size of ``dataset.batch(n)`` without
     ``drop_remainder``, whose element spec leaves the batch dimension unknown. None for
