@@ -97,6 +97,7 @@ class _Record(keras.callbacks.Callback):
     def on_train_begin(self, logs: Any = None) -> None:
         record = {
             "pid": os.getpid(),
+            "pgid": os.getpgrp(),
             "start_step": int(self.model.optimizer.iterations.numpy()),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         }
