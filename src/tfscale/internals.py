@@ -30,6 +30,7 @@ __all__ = [
     "cross_device_ops",
     "dataset_batch_size",
     "distributed_container",
+    "epoch_iterator_dataset",
     "eager_context",
     "flatten_layers",
     "forget_collective_setup",
@@ -93,6 +94,11 @@ def symbolic_build(model: Any, data_batch: Any) -> None:
     ("Attempt to convert a value (PerReplica...)", keras-team/keras#20585).
     """
     model._symbolic_build(data_batch=data_batch)
+
+
+def epoch_iterator_dataset(epoch_iterator: Any) -> Any:
+    """The dataset behind Keras's ``TFEpochIterator`` (``_distributed_dataset``)."""
+    return epoch_iterator._distributed_dataset
 
 
 def set_initial_epoch(model: Any, epoch: int | None) -> None:
