@@ -4,13 +4,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 # The gpu extra (tensorflow[and-cuda]) when the driver lists a GPU, the CPU-only wheel otherwise.
 EXTRA := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo gpu || echo cpu)
+# ray: the TaskPool's Ray backend is tested, not skipped (tests/tasks/test_taskpool_ray.py).
+EXTRAS := $(EXTRA),dev,ray
 
 .PHONY: demo test lint unit venv clean bench
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[$(EXTRA),dev]"
+	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
 	touch $@
 
 venv: $(BIN)/.installed

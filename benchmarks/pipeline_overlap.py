@@ -57,8 +57,8 @@ tfscale.use_virtual_devices(2)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from tensorflow.tsl.profiler.protobuf import xplane_pb2  # noqa: E402
 
+from tfscale.internals import xplane_pb2  # noqa: E402
 from tfscale.parallel.pipeline import PipelineModel, pipeline  # noqa: E402
 from tfscale.parallel.schedule import bubble_fraction  # noqa: E402
 
@@ -122,7 +122,7 @@ def trace_run(fn: Callable[[], object]) -> Trace:
         tf.profiler.experimental.start(folder)
         fn()
         tf.profiler.experimental.stop()
-        space = xplane_pb2.XSpace()
+        space = xplane_pb2().XSpace()
         for path in glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True):
             with open(path, "rb") as handle:
                 space.ParseFromString(handle.read())

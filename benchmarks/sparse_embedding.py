@@ -141,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
             for runner, values in rates.items():
                 rate, sizes[runner] = _run(runner, strategy, args, batch)
                 values.append(rate)
-        ratio = statistics.median(t / k for t, k in zip(rates["tfscale"], rates["keras"]))
+        ratio = statistics.median(
+            t / k for t, k in zip(rates["tfscale"], rates["keras"], strict=True)
+        )
         row = (
             str(batch),
             f"{sizes['keras']:,}",

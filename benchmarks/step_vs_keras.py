@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import tensorflow as tf
 
 import tfscale  # noqa: F401  (splits the CPU into 2 logical devices)
+from tfscale.internals import symbolic_build
 from tfscale.training.trainer import Trainer
 from tfscale.workloads import build_model, synthetic_images
 
@@ -59,7 +60,7 @@ def _runner(name: str, strategy: Any, dataset: Any, sample: Any, steps: int) -> 
         model = build_model("cnn", input_shape=(8, 8, 1), optimizer="adam", learning_rate=1e-3)
         model.compile(optimizer=model.optimizer, loss=model.loss, metrics=["accuracy"])
         # What Keras's fit does before its first step (both sides start built).
-        model._symbolic_build(data_batch=sample)
+        symbolic_build(model, sample)
         model.optimizer.build(model.trainable_variables)
     iterator = iter(dataset)
     if name == "keras":

@@ -1,16 +1,133 @@
-"""Cluster resolution from Slurm and Kubernetes (TFJob) environments."""
+"""Cluster sources: plain TF_CONFIG, Slurm and Kubernetes (TFJob), chosen in one place."""
 
 from __future__ import annotations
 
 import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import tensorflow as tf
 
-from tfscale.cluster import cluster_from_kubernetes, cluster_from_slurm
+import tfscale
+from tfscale.cluster import (
+    SOURCE_ENV,
+    KubernetesSource,
+    SlurmSource,
+    TFConfigSource,
+    choose_source,
+    cluster_from_env,
+    cluster_from_kubernetes,
+    cluster_from_slurm,
+    tf_config,
+)
 from tfscale.errors import ClusterConfigError
+
+_ENVS = Path(__file__).parent / "data" / "cluster_envs"
+
+
+def _recorded(name: str) -> dict[str, str]:
+    """An environment as `env` prints it (tests/data/cluster_envs/README.md)."""
+    lines = (_ENVS / name).read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if line.strip())
+
+
+@pytest.mark.parametrize(
+    ("name", "source", "task", "workers"),
+    [
+        ("tfjob-worker-1.env", "Kubernetes", ("worker", 1), 3),
+        ("srun-task-3.env", "Slurm", ("worker", 3), 4),
+        ("launch-worker-1.env", "TF_CONFIG", ("worker", 1), 2),
+        ("laptop.env", None, None, 0),
+    ],
+)
+def test_each_environment_resolves_through_the_one_start_up_path(
+    name: str, source: str | None, task: tuple[str, int] | None, workers: int
+) -> None:
+    env = _recorded(name)
+    chosen = choose_source(env)
+    assert (chosen.name if chosen else None) == source
+    config = cluster_from_env(env)  # what choose_strategy reads, through gather_facts
+    if config is None:
+        assert task is None
+        return
+    assert (config.source, (config.task_type, config.task_index)) == (source, task)
+    assert config.num_workers == workers
+
+
+def test_recorded_slurm_task_is_in_block_order() -> None:
+    config = cluster_from_env(_recorded("srun-task-3.env"))
+    assert config is not None and config.address == "gpu08:8889"
+    assert config.workers == ("gpu07:8888", "gpu07:8889", "gpu08:8888", "gpu08:8889")
+
+
+def test_recorded_tfjob_pod_knows_its_chief_and_ps() -> None:
+    config = cluster_from_env(_recorded("tfjob-worker-1.env"))
+    assert config is not None and config.worker_rank == 2 and config.num_ps == 1
+    assert config.address == "mnist-worker-1.ml.svc:2222" and not config.is_chief
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"HOSTNAME": "mnist-worker-0"}, "this pod is 'mnist-worker-0'"),  # copied TF_CONFIG
+        (
+            {"TF_CONFIG": tf_config(["10.0.0.1:2222", "10.0.0.2:2222"], 1)},
+            "an IP address, not the service name",
+        ),
+    ],
+)
+def test_a_misconfigured_tfjob_pod_fails_at_start_up(
+    change: dict[str, str], words: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = _recorded("tfjob-worker-1.env") | change
+    with pytest.raises(ClusterConfigError, match=words) as caught:
+        cluster_from_env(env)
+    if "10.0.0.1" in env["TF_CONFIG"]:
+        assert f"{SOURCE_ENV}=TF_CONFIG" in str(caught.value)  # the way out for a non-TFJob pod
+    # choose_strategy refuses it before touching any device or building anything.
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ClusterConfigError, match=words):
+        tfscale.choose_strategy()
+
+
+def test_a_launcher_written_tf_config_in_a_pod_is_read_as_written() -> None:
+    # `tfscale launch -n 2` inside a pod: its workers' TF_CONFIG names 127.0.0.1, and the
+    # launcher says so with TFSCALE_CLUSTER_SOURCE=TF_CONFIG.
+    pod = _recorded("tfjob-worker-1.env")
+    launched = pod | _recorded("launch-worker-1.env")
+    config = cluster_from_env(launched)
+    assert config is not None and config.source == "TF_CONFIG" and config.task_index == 1
+    without = launched | {SOURCE_ENV: ""}
+    with pytest.raises(ClusterConfigError, match="an IP address"):
+        cluster_from_env(without)
+
+
+def test_the_source_can_be_named_or_switched_off() -> None:
+    slurm = _recorded("srun-task-3.env")
+    assert cluster_from_env(slurm | {SOURCE_ENV: "none"}) is None
+    forced = cluster_from_env(_recorded("laptop.env") | slurm | {SOURCE_ENV: "slurm"})
+    assert forced is not None and forced.source == "Slurm"
+    with pytest.raises(ClusterConfigError, match="names no cluster source"):
+        cluster_from_env(slurm | {SOURCE_ENV: "yarn"})
+    with pytest.raises(ClusterConfigError, match="TF_CONFIG is not set"):
+        cluster_from_env(slurm | {SOURCE_ENV: "TF_CONFIG"})
+
+
+def test_detection_of_each_source() -> None:
+    pod, task = _recorded("tfjob-worker-1.env"), _recorded("srun-task-3.env")
+    assert KubernetesSource.detect(pod) and TFConfigSource.detect(pod)
+    assert not KubernetesSource.detect({k: v for k, v in pod.items() if k != "TF_CONFIG"})
+    assert SlurmSource.detect(task) and not TFConfigSource.detect(task)
+    # An interactive allocation's shell is not a job step of workers.
+    assert not SlurmSource.detect(task | {"SLURM_JOB_NAME": "interactive"})
+    # TF_CONFIG written by `tfscale launch --slurm` wins over Slurm's own variables.
+    written = task | {"TF_CONFIG": tf_config(["gpu07:9000", "gpu08:9000"], 1)}
+    source = choose_source(written)
+    assert source is not None and source.name == "TF_CONFIG"
+
 
 _SLURM = {
     "SLURM_PROCID": "1",

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver as tf_slurm
 
 from tfscale.errors import ClusterConfigError
 from tfscale.hostlist import expand_hostlist, expand_tasks_per_node
+from tfscale.internals import slurm_cluster_resolver_module
+
+# TensorFlow's own expansion, to check tfscale's against.
+tf_slurm = slurm_cluster_resolver_module()
 
 _CASES = [
     ("node01", ["node01"]),

@@ -34,6 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfscale.errors import ScopeError, explain
+from tfscale.internals import compile_config_objects, model_strategy, variable_strategy
 
 __all__ = [
     "VariableOrigin",
@@ -286,10 +287,7 @@ def describe_stack(stack: Sequence[str]) -> str:
 
 
 def _owner(tf_variable: Any) -> Any:
-    # TensorFlow has no public getter for a variable's strategy; every tf.Variable and
-    # distributed variable carries it as `_distribute_strategy` (None outside any scope),
-    # the attribute `variable_created_in_scope` itself reads.
-    return getattr(tf_variable, "_distribute_strategy", None)
+    return variable_strategy(tf_variable)
 
 
 def _facts(variable: Any, strategy: tf.distribute.Strategy) -> _VariableFacts:
@@ -369,7 +367,7 @@ def _resolve_strategy(model: Any, strategy: tf.distribute.Strategy | None) -> An
         return strategy
     if tf.distribute.has_strategy():
         return tf.distribute.get_strategy()
-    own = getattr(model, "_distribute_strategy", None)  # Keras 3: set when built in a scope
+    own = model_strategy(model)  # Keras 3: set when built in a scope
     if own is not None:
         return own
     for variable in _model_variables(model):
@@ -492,10 +490,9 @@ def _clone_metric(metric: Any) -> Any:
 
 def _compile_arguments(model: Any) -> dict[str, Any]:
     """The arguments ``model.compile`` received, with stateful objects cloned."""
-    # Keras 3 keeps the objects passed to compile() in `_compile_config.config`; the public
-    # get_compile_config() serializes them, which fails for lambdas and unregistered
-    # custom losses, so the in-memory objects are used when present.
-    stored = getattr(getattr(model, "_compile_config", None), "config", None)
+    # The in-memory objects passed to compile(): the public get_compile_config() serializes
+    # them, which fails for lambdas and unregistered custom losses.
+    stored = compile_config_objects(model)
     if stored is None:
         stored = keras.saving.deserialize_keras_object(model.get_compile_config())
     arguments = dict(stored)

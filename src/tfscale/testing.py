@@ -1,15 +1,14 @@
 """Helpers for tests of multi-device code: fresh processes, bounded waits, tolerances.
 
 TensorFlow fixes its devices once per process, so a test that needs another device layout,
-a fresh runtime or several workers runs Python code in a child process here. Every child
-has a timeout and is killed with its whole process group when it runs over.
+a fresh runtime or several workers runs Python code in a child process here (through
+:mod:`tfscale.processes`, like every child tfscale starts). Every child has a timeout, is
+killed with its whole process group when it runs over, and dies with the test process.
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 import textwrap
 from collections.abc import Mapping, Sequence
@@ -17,7 +16,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["child_pids", "mirrored_on_cpus", "relative_difference", "run_python"]
+from tfscale.processes import Completed, TimeoutExpired, run
+
+__all__ = [
+    "alive",
+    "child_pids",
+    "descendants",
+    "mirrored_on_cpus",
+    "relative_difference",
+    "run_python",
+]
 
 
 def run_python(
@@ -28,7 +36,7 @@ def run_python(
     args: Sequence[str] = (),
     timeout: float = 180.0,
     cwd: str | None = None,
-) -> subprocess.CompletedProcess[str]:
+) -> Completed:
     """Runs ``code`` in a fresh Python process and returns its result.
 
     Args:
@@ -40,7 +48,7 @@ def run_python(
         cwd: Working directory of the child.
 
     Returns:
-        The completed process with text stdout and stderr.
+        The exit code with text stdout and stderr.
 
     Raises:
         subprocess.TimeoutExpired: The child ran past ``timeout`` (it has been killed).
@@ -55,22 +63,11 @@ def run_python(
             child_env.pop(key, None)
         else:
             child_env[key] = value
-    process = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=child_env,
-        cwd=cwd,
-        start_new_session=True,
-    )
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        raise
-    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+    argv = [sys.executable, "-c", textwrap.dedent(code), *args]
+    done = run(argv, timeout=timeout, env=child_env, cwd=cwd)
+    if done.timed_out:
+        raise TimeoutExpired(argv, timeout, done.stdout, done.stderr)
+    return done
 
 
 def relative_difference(a: object, b: object) -> float:
@@ -96,6 +93,27 @@ def _flatten(value: object) -> list[object]:
             out.extend(_flatten(item))
         return out
     return [value]
+
+
+def alive(pid: int) -> bool:
+    """True while process ``pid`` exists and is not a zombie (read from /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (children, their children, ...), read from /proc."""
+    found: set[int] = set()
+    frontier = [pid]
+    while frontier:
+        for child in child_pids(frontier.pop()):
+            if child not in found and alive(child):
+                found.add(child)
+                frontier.append(child)
+    return found
 
 
 def child_pids(pid: int | None = None) -> set[int]:

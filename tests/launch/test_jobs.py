@@ -43,8 +43,8 @@ class _Job:
         return [int(p) for p in re.findall(r"\(pid (\d+)\)", self.stderr)]
 
 
-def _start(name: str, args: list[str], out_dir: Path) -> _Job:
-    env = dict(os.environ, PYTHONPATH=str(_ROOT / "src"), TF_CPP_MIN_LOG_LEVEL="3")
+def _start(name: str, args: list[str], out_dir: Path, **extra_env: str) -> _Job:
+    env = dict(os.environ, PYTHONPATH=str(_ROOT / "src"), TF_CPP_MIN_LOG_LEVEL="3", **extra_env)
     env.pop("TF_CONFIG", None)
     env.pop("TFSCALE_VIRTUAL_DEVICES", None)
     process = subprocess.Popen(
@@ -62,7 +62,7 @@ def _finish(job: _Job, deadline: float) -> None:
     try:
         job.stdout, job.stderr = job.process.communicate(timeout=max(1.0, deadline - time.time()))
     except subprocess.TimeoutExpired:
-        os.killpg(job.process.pid, 9)  # the launcher; its tasks are in their own groups
+        os.killpg(job.process.pid, 9)  # the launcher; its tasks die with it (process layer)
         job.process.communicate()
         raise
 
@@ -107,6 +107,9 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Job]]:
             str(plain),
         ],
         plain,
+        # CUDA reads -1 as "no GPU": the launcher must train on CPUs, not refuse ("2 workers
+        # cannot each have their own GPU: 1 visible", as it did when it split on commas).
+        CUDA_VISIBLE_DEVICES="-1",
     )
     started["crash"] = _start(
         "crash",
@@ -175,6 +178,9 @@ def test_two_workers_equal_mirrored_over_two_logical_cpus(
     _, reference = _load_script().train(mirrored, epochs=4, checkpoint_dir=str(tmp_path / "ck"))
     difference = relative_difference(_weights(job.out_dir / "w.npz"), reference)
     assert difference <= 1e-5, difference
+    # Run with CUDA_VISIBLE_DEVICES=-1, which CUDA reads as "no GPU": trained on CPUs.
+    records = [json.loads(p.read_text()) for p in job.out_dir.glob("worker*-0.json")]
+    assert [r["cuda_visible_devices"] for r in records] == ["-1", "-1"]
     assert _groups_alive(job.pids) == []
 
 
@@ -192,8 +198,8 @@ def test_sigkilled_worker_stops_the_other_restarts_and_resumes(jobs: dict[str, _
     uninterrupted = _weights(jobs["plain"].out_dir / "w.npz")
     difference = relative_difference(_weights(job.out_dir / "w.npz"), uninterrupted)
     assert difference <= 1e-6, difference
-    pids = job.pids
-    assert len(pids) == 4 and {r["pid"] for r in records.values()} == set(pids)
+    pids = job.pids  # the process groups the launcher reports (each task's guard's pid)
+    assert len(pids) == 4 and {r["pgid"] for r in records.values()} == set(pids)
     assert _groups_alive(pids) == []
 
 

@@ -12,9 +12,10 @@ _SCRIPT = textwrap.dedent(
     """
     import sys
     import keras, numpy as np, tensorflow as tf
+    from neighbour import WIDTH  # sub/neighbour.py, next to the script
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
-        model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, activation="relu"),
+        model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(WIDTH, activation="relu"),
                                   keras.layers.Dense(10)])
         model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     rng = np.random.default_rng(0)
@@ -27,18 +28,22 @@ _SCRIPT = textwrap.dedent(
 
 
 def test_bench_and_profile_commands_write_reports(tmp_path: Path) -> None:
-    script = tmp_path / "train.py"
+    # `tfscale profile sub/train.py` runs the script as `python sub/train.py` would (and as
+    # `doctor --script` does): its folder is on sys.path, so it imports its neighbours.
+    (tmp_path / "sub").mkdir()
+    script = tmp_path / "sub" / "train.py"
     script.write_text(_SCRIPT)
+    (tmp_path / "sub" / "neighbour.py").write_text("WIDTH = 64\n")
     code = f"""
     import sys
     from tfscale.cli.main import main
     bench = main(["bench", "--model", "mlp", "--replicas", "1,2", "--steps", "5",
                   "--warmup", "2", "--trace-steps", "2", "--out", {str(tmp_path / "bench")!r}])
     profile = main(["profile", "--out", {str(tmp_path / "profile")!r}, "--trace-steps", "4,8",
-                    {str(script)!r}, "2"])
+                    "sub/train.py", "2"])
     sys.exit(bench * 10 + profile)
     """
-    done = run_python(code, env={"TFSCALE_VIRTUAL_DEVICES": "2"}, timeout=240)
+    done = run_python(code, env={"TFSCALE_VIRTUAL_DEVICES": "2"}, timeout=240, cwd=str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     bench = json.loads((tmp_path / "bench" / "report.json").read_text())
     modes = {(p["mode"], p["replicas"]) for p in bench["points"]}

@@ -68,13 +68,14 @@ def run(args: argparse.Namespace) -> int:
     import os
     import sys
 
-    import tensorflow as tf
-
     sys.path.insert(0, os.getcwd())  # so that --model module:function finds local modules
-    # Retracing notes (one Trainer per measured configuration) and "MirroredStrategy used
-    # eagerly" (placing the all-reduce benchmark's buffers) are expected here: keep the
-    # summary readable.
-    tf.get_logger().setLevel("ERROR")
+    if args.workers <= 1:  # with workers, this process only runs them: no TensorFlow here
+        import tensorflow as tf
+
+        # Retracing notes (one Trainer per measured configuration) and "MirroredStrategy
+        # used eagerly" (placing the all-reduce benchmark's buffers) are expected here: keep
+        # the summary readable.
+        tf.get_logger().setLevel("ERROR")
     from tfscale.profiling.bench import profile
     from tfscale.profiling.report import print_summary
 

@@ -41,60 +41,41 @@ def run(args: argparse.Namespace) -> int:
     """Runs the script in a child process, then builds and prints the report."""
     import json
     import os
-    import signal
-    import subprocess
-    import sys
     import tempfile
 
     from tfscale.errors import ProfileError, explain
     from tfscale.profiling.report import print_summary, write_report
     from tfscale.profiling.script import script_report
+    from tfscale.script_runner import check_script, run_in_child
 
-    if not os.path.isfile(args.script):
-        raise ProfileError(
-            explain(
-                "The script to profile does not exist.",
-                received=args.script,
-                fix="give the path of a Python file: tfscale profile train.py --epochs 1",
-            )
-        )
+    script = check_script(args.script, command="tfscale profile", error=ProfileError)
     first, _, stop = args.trace_steps.partition(",")
     with tempfile.TemporaryDirectory(prefix="tfscale-profile-") as scratch:
         out_json = os.path.join(scratch, "steps.json")
-        command = [
-            sys.executable,
-            "-m",
+        ran = run_in_child(
             "tfscale.profiling.script",
-            out_json,
-            first,
-            stop or first,
-            args.script,
-            *args.args,
-        ]
-        child = subprocess.Popen(command, start_new_session=True)
-        try:
-            status = child.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
+            [out_json, first, stop or first, script, *args.args],
+            timeout=args.timeout,
+        )
+        if ran.timed_out:
             raise ProfileError(
                 explain(
                     f"The script ran past --timeout {args.timeout:g} s and was stopped.",
-                    received=args.script,
+                    received=script,
                     fix="raise --timeout or shorten the run.",
                 )
-            ) from None
+            )
         if not os.path.exists(out_json):
             raise ProfileError(
                 explain(
                     "The script ended before any timing could be written.",
-                    received=f"{args.script} (exit status {status})",
-                    fix="run it on its own first: python " + args.script,
+                    received=f"{script} (exit status {ran.status})",
+                    fix="run it on its own first: python " + script,
                 )
             )
         with open(out_json) as handle:
             data = json.load(handle)
-    report = script_report(data, args.script)
+    report = script_report(data, script)
     write_report(report, args.out)
     print_summary(report, args.out)
-    return 0 if status == 0 else int(status)
+    return 0 if ran.status == 0 else int(ran.status or 1)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tfscale.doctor.snapshot import Snapshot
-from tfscale.doctor.visible_devices import parse_visible_devices
+from tfscale.visible_devices import parse_visible_devices
 
 __all__ = [
     "CHECKS",

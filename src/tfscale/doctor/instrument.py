@@ -1,7 +1,8 @@
 """The child side of ``tfscale doctor --script``: runs a user's script under instrumentation.
 
 Run as ``python -m tfscale.doctor.instrument EVENTS_FILE SCRIPT [ARGS...]``. The script
-runs as ``__main__`` (``runpy.run_path``) while three hooks append one JSON object per line
+runs as ``__main__`` with its folder on ``sys.path`` (:func:`tfscale.script_runner.run_as_main`,
+shared with ``tfscale profile``) while three hooks append one JSON object per line
 to ``EVENTS_FILE``, flushed at once, so that a script killed by a timeout still leaves its
 findings behind:
 
@@ -19,26 +20,27 @@ device scope, the output tensors carry it (the actual device for eager tensors),
 reading it needs no parsing of TensorFlow's C++ log, which is not an interface.
 
 When ``TFSCALE_VIRTUAL_DEVICES`` is unset and TensorFlow sees no GPU, the CPU is split into
-2 logical devices before the script starts, so a ``MirroredStrategy()`` in the script gets
-2 replicas and the report can show where each ran.
+2 logical devices before the script starts (:func:`tfscale.script_runner.split_cpu_when_alone`),
+so a ``MirroredStrategy()`` in the script gets 2 replicas and the report can show where each
+ran.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import os
 import re
-import runpy
 import sys
 import threading
-import traceback
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from tfscale.internals import DEFAULT_STRATEGY_CLASS
+from tfscale.script_runner import CPU_SPLIT, run_as_main, split_cpu_when_alone
+
 __all__ = ["DEMO_VIRTUAL_DEVICES", "main"]
 
-DEMO_VIRTUAL_DEVICES = 2
+DEMO_VIRTUAL_DEVICES = CPU_SPLIT
 _COPY_NAME = re.compile(r"/replica_\d+/?(:\d+)?$")
 
 
@@ -58,22 +60,10 @@ class _EventLog:
 
 def _configure_devices(log: _EventLog) -> None:
     """Splits the CPU into 2 logical devices unless the user chose a layout or has a GPU."""
-    import tensorflow as tf
-
-    from tfscale.devices import ENV_VAR, use_virtual_devices
-
-    requested = os.environ.get(ENV_VAR, "").strip()
-    gpus = len(tf.config.list_physical_devices("GPU"))
-    if requested:
-        log.write("devices", virtual=requested, set_by_doctor=False, gpus=gpus)
-        return  # `import tfscale` already applied it
-    if gpus:
-        log.write("devices", virtual=None, set_by_doctor=False, gpus=gpus)
-        return
-    # Exported too, so a script that imports tfscale asks for the same layout.
-    os.environ[ENV_VAR] = str(DEMO_VIRTUAL_DEVICES)
-    use_virtual_devices(DEMO_VIRTUAL_DEVICES)
-    log.write("devices", virtual=str(DEMO_VIRTUAL_DEVICES), set_by_doctor=True, gpus=0)
+    layout = split_cpu_when_alone()
+    log.write(
+        "devices", virtual=layout.virtual, set_by_doctor=layout.set_by_runner, gpus=layout.gpus
+    )
 
 
 def _defining_class(cls: type, attribute: str) -> type:
@@ -115,7 +105,7 @@ def _hook_strategies(log: _EventLog) -> None:
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
         # TensorFlow makes a default (no-op) strategy per thread on demand: not the user's.
-        if type(self).__name__ != "_DefaultDistributionStrategy":
+        if type(self).__name__ != DEFAULT_STRATEGY_CLASS:
             log.write("strategy", stack=list(creation_stack()), **_strategy_fields(self))
 
     @functools.wraps(original_run)
@@ -176,22 +166,6 @@ def _variable_event(log: _EventLog) -> Callable[[Any, Any], None]:
     return on_create
 
 
-def _run_script(script: str, args: list[str]) -> int:
-    sys.argv = [script, *args]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as stop:
-        if stop.code is None or isinstance(stop.code, int):
-            return int(stop.code or 0)
-        print(stop.code, file=sys.stderr)
-        return 1
-    except BaseException:
-        traceback.print_exc()
-        return 1
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     """Runs ``SCRIPT ARGS...`` under instrumentation, logging events to ``EVENTS_FILE``."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -208,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
 
         log.write("start", script=script, args=script_args)
         with track_variable_creation(_variable_event(log)):
-            status = _run_script(script, script_args)
+            status = run_as_main(script, script_args)
         log.write("exit", status=status)
     return status
 

@@ -13,12 +13,13 @@ import os
 import platform
 import re
 import shutil
-import subprocess
 import sys
 import xml.etree.ElementTree as ElementTree
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from tfscale.processes import run
 
 __all__ = [
     "TF_DISTRIBUTIONS",
@@ -186,18 +187,11 @@ def probe_driver(nvidia_smi_timeout: float = _NVIDIA_SMI_TIMEOUT_S) -> DriverRep
             # Neither the NVML library nor nvidia-smi: no NVIDIA driver, so no GPUs.
             return DriverReport("none", None, None, ())
         raise RuntimeError(f"{nvml_text}; nvidia-smi: not found on PATH")
-    try:
-        result = subprocess.run(
-            [executable, "-q", "-x"],
-            capture_output=True,
-            text=True,
-            timeout=nvidia_smi_timeout,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
+    result = run([executable, "-q", "-x"], timeout=nvidia_smi_timeout)
+    if result.timed_out:
         raise RuntimeError(
             f"{nvml_text}; nvidia-smi -q -x did not answer within {nvidia_smi_timeout:g} s"
-        ) from None
+        )
     if result.returncode != 0:
         detail = (result.stdout + result.stderr).strip().splitlines()
         raise RuntimeError(
@@ -288,15 +282,8 @@ def _ldconfig_paths() -> list[str]:
     )
     if executable is None:
         return []
-    try:
-        result = subprocess.run(
-            [executable, "-p"],
-            capture_output=True,
-            text=True,
-            timeout=_LDCONFIG_TIMEOUT_S,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
+    result = run([executable, "-p"], timeout=_LDCONFIG_TIMEOUT_S)
+    if result.timed_out:
         return []
     return [line.split("=>", 1)[1].strip() for line in result.stdout.splitlines() if "=>" in line]
 
@@ -358,15 +345,16 @@ def find_cuda_libraries(
     return tuple(sorted(best.values(), key=lambda lib: (lib.name, lib.version, lib.path)))
 
 
-def probe_tf_config(raw: str | None) -> str | None:
-    """Validates ``TF_CONFIG`` with tfscale's cluster parser; returns the error text or None."""
-    if raw is None or not raw.strip():
+def probe_tf_config(env: Mapping[str, str]) -> str | None:
+    """Validates ``TF_CONFIG`` as ``choose_strategy`` will (through the cluster sources: in a
+    Kubernetes pod, as a TFJob writes it); returns the error text or None."""
+    if not env.get("TF_CONFIG", "").strip():
         return None
-    from tfscale.cluster import parse_tf_config
+    from tfscale.cluster import cluster_from_env
     from tfscale.errors import ClusterConfigError
 
     try:
-        parse_tf_config(raw)
+        cluster_from_env(env)
     except ClusterConfigError as error:
         return str(error)
     return None

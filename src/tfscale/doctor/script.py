@@ -1,9 +1,10 @@
 """``tfscale doctor --script train.py [args...]``: find variables built outside the scope.
 
 The user's script runs as ``__main__`` in a child process (its own TensorFlow runtime,
-bounded by a timeout and killed with its process group) under the instrumentation of
-:mod:`tfscale.doctor.instrument`, which appends events to a JSON-lines file. This parent
-imports no TensorFlow: it reads the events, gathers them into one frozen
+bounded by a timeout, killed with its process group, dying with this process) under the
+instrumentation of :mod:`tfscale.doctor.instrument`, which appends events to a JSON-lines
+file. Running the script is :mod:`tfscale.script_runner`'s, shared with ``tfscale profile``.
+This parent imports no TensorFlow: it reads the events, gathers them into one frozen
 :class:`ScriptFindings` (:func:`summarize`, a pure function), and prints a table or JSON.
 
 Exit status: the script's own status when it failed, else 1 when variables were created
@@ -15,19 +16,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, TextIO
 
 from rich.console import Console
 from rich.table import Table
 
-from tfscale.errors import TfscaleError, explain
+from tfscale.internals import DEFAULT_STRATEGY_CLASS
+from tfscale.script_runner import check_script, run_in_child
 
 __all__ = [
     "RunSeen",
@@ -188,7 +186,7 @@ def _default_runs(events: Sequence[Mapping[str, Any]]) -> tuple[RunSeen, ...]:
     return tuple(
         RunSeen(tuple(e.get("stack") or ()), tuple(e.get("replica_devices") or ()))
         for e in events
-        if e.get("kind") == "run" and e.get("strategy") == "_DefaultDistributionStrategy"
+        if e.get("kind") == "run" and e.get("strategy") == DEFAULT_STRATEGY_CLASS
     )
 
 
@@ -366,15 +364,6 @@ def render(findings: ScriptFindings, console: Console) -> None:
         console.print(findings.stderr_tail, markup=False, highlight=False, soft_wrap=True)
 
 
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    # The child imports tfscale from where this process did, installed or not.
-    package_root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    return env
-
-
 def _tail(path: str, lines: int = _STDERR_TAIL_LINES) -> str:
     with (
         contextlib.suppress(FileNotFoundError),
@@ -392,27 +381,6 @@ def _output_file(path: str, keep: bool) -> Iterator[TextIO | None]:
         return
     with open(path, "w", encoding="utf-8") as handle:
         yield handle
-
-
-def _check_argv(argv: Sequence[str]) -> None:
-    if not argv:
-        raise TfscaleError(
-            explain(
-                "doctor --script needs the script to run.",
-                received="no script",
-                allowed="a Python file followed by its own arguments",
-                fix="tfscale doctor --script train.py --epochs 1",
-            )
-        )
-    if not os.path.isfile(argv[0]):
-        raise TfscaleError(
-            explain(
-                "The script to diagnose does not exist.",
-                received=argv[0],
-                allowed="the path of a Python file, relative to the working directory",
-                fix=f"check the path; the working directory is {os.getcwd()}",
-            )
-        )
 
 
 def run_script(
@@ -440,38 +408,28 @@ def run_script(
     Raises:
         TfscaleError: No script was given or the file does not exist.
     """
-    _check_argv(argv)
-    script, args = argv[0], list(argv[1:])
-    timed_out = False
+    script = check_script(argv[0] if argv else None, command="tfscale doctor --script")
+    args = list(argv[1:])
     with tempfile.TemporaryDirectory(prefix="tfscale-doctor-") as folder:
         events_path = os.path.join(folder, "events.jsonl")
         stderr_path = os.path.join(folder, "stderr.txt")
-        sys.stdout.flush()
         with (
             _output_file(os.path.join(folder, "stdout.txt"), keep=not json_output) as out,
             open(stderr_path, "w", encoding="utf-8") as err,
         ):
-            process = subprocess.Popen(
-                [sys.executable, "-m", "tfscale.doctor.instrument", events_path, script, *args],
+            ran = run_in_child(
+                "tfscale.doctor.instrument",
+                [events_path, script, *args],
+                timeout=timeout,
                 stdout=out,
                 stderr=err,
-                env=_child_env(),
-                start_new_session=True,  # its own process group, killed as one
             )
-            try:
-                status: int | None = process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                timed_out, status = True, None
-            finally:
-                if process.poll() is None:
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.wait()
         findings = summarize(
             read_events(events_path),
             script=script,
             args=args,
-            exit_status=status,
-            timed_out=timed_out,
+            exit_status=ran.status,
+            timed_out=ran.timed_out,
             stderr_tail=_tail(stderr_path),
         )
     if json_output:

@@ -158,7 +158,7 @@ def take_snapshot(env: Mapping[str, str] | None = None) -> Snapshot:
     tf_gpus = _attempt(errors, "tf_gpus", probe_tf_gpus) if tensorflow else None
     libraries = _attempt(errors, "libraries", lambda: find_cuda_libraries(env))
     tf_config = env.get("TF_CONFIG")
-    tf_config_error = _attempt(errors, "tf_config", lambda: probe_tf_config(tf_config))
+    tf_config_error = _attempt(errors, "tf_config", lambda: probe_tf_config(env))
     strategy, strategy_error = None, None
     if tensorflow:
         strategy_errors: dict[str, str] = {}

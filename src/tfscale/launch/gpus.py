@@ -2,49 +2,70 @@
 
 Two MultiWorkerMirrored workers must not share a GPU: NCCL refuses two ranks on one device,
 and each process would reserve memory on every GPU it sees. So each worker gets its own
-block of the GPUs this machine shows (``CUDA_VISIBLE_DEVICES`` if set, else ``nvidia-smi
--L``) through its own ``CUDA_VISIBLE_DEVICES``::
+block of the GPUs this machine shows through its own ``CUDA_VISIBLE_DEVICES``::
 
     4 GPUs, -n 2:  worker 0 -> CUDA_VISIBLE_DEVICES=0,1   worker 1 -> CUDA_VISIBLE_DEVICES=2,3
+
+The GPUs this machine shows are those of ``CUDA_VISIBLE_DEVICES`` read as CUDA reads it
+(:mod:`tfscale.visible_devices`, the doctor's reading): ``-1``, ``abc``, ``0;1`` or an empty
+value show none, so the workers train on CPUs; unset, every GPU ``nvidia-smi -L`` lists.
 """
 
 from __future__ import annotations
 
-import subprocess
+import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from tfscale.errors import LaunchError, explain
+from tfscale.processes import run
+from tfscale.visible_devices import read_visible_devices
 
-__all__ = ["assign_gpus", "visible_gpus"]
+__all__ = ["assign_gpus", "parse_gpu_list", "visible_gpus"]
+
+_GPU_LINE = re.compile(r"^GPU (\d+):.*?(?:\(UUID: ([^)]+)\))?\s*$")
+
+
+@dataclass(frozen=True)
+class _ListedGpu:
+    index: int
+    uuid: str
 
 
 def _nvidia_smi_list() -> str:
-    try:
-        done = subprocess.run(
-            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return ""  # no driver tools: no GPUs to hand out
-    return done.stdout if done.returncode == 0 else ""
+    done = run(["nvidia-smi", "-L"], timeout=20)
+    return done.stdout if done.returncode == 0 and done.stdout else ""  # no tools: no GPUs
+
+
+def parse_gpu_list(text: str) -> list[_ListedGpu]:
+    """The GPUs of ``nvidia-smi -L`` output (``GPU 0: NVIDIA H100 (UUID: GPU-...)``)."""
+    found = []
+    for line in text.splitlines():
+        match = _GPU_LINE.match(line.strip())
+        if match:
+            found.append(_ListedGpu(int(match.group(1)), match.group(2) or ""))
+    return found
 
 
 def visible_gpus(
     env: Mapping[str, str], list_gpus: Callable[[], str] = _nvidia_smi_list
 ) -> tuple[str, ...]:
-    """The GPU ids workers may use: ``CUDA_VISIBLE_DEVICES`` entries, else ``nvidia-smi -L``.
+    """The GPU ids workers may use: the GPUs CUDA would show this process.
 
     Args:
         env: The launcher's environment.
-        list_gpus: Returns ``nvidia-smi -L`` output (a fake in tests).
+        list_gpus: Returns ``nvidia-smi -L`` output (a fake in tests); empty when there is
+            no driver tool, and then ``CUDA_VISIBLE_DEVICES`` entries are checked for form only.
 
     Returns:
-        GPU ids as CUDA reads them (indices or UUIDs); empty when there are none.
+        GPU ids as ``CUDA_VISIBLE_DEVICES`` entries (indices or UUIDs), in CUDA's order; empty
+        when there are none.
     """
-    if "CUDA_VISIBLE_DEVICES" in env:
-        raw = env["CUDA_VISIBLE_DEVICES"].strip()
-        return tuple(part.strip() for part in raw.split(",") if part.strip()) if raw else ()
-    lines = [line for line in list_gpus().splitlines() if line.startswith("GPU ")]
-    return tuple(str(i) for i in range(len(lines)))
+    listed = parse_gpu_list(list_gpus())
+    visible = read_visible_devices(env, listed, driver_known=bool(listed))
+    if visible.ids is None:
+        return tuple(str(gpu.index) for gpu in listed)
+    return visible.ids
 
 
 def assign_gpus(

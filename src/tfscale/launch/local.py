@@ -1,17 +1,22 @@
-"""A local job: the supervisor, real processes, and fresh ports for every attempt."""
+"""A local job: the supervisor, real processes, and fresh ports for every attempt.
+
+``tfscale launch`` runs a user's script this way, and ``tfscale bench --workers N`` its
+measuring workers: one way to start, watch and stop a job's processes on this machine.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 
 from tfscale.errors import LaunchError, explain
 from tfscale.launch.gpus import assign_gpus, visible_gpus
 from tfscale.launch.plan import LocalJob, plan_tasks
 from tfscale.launch.ports import check_ports, free_ports
 from tfscale.launch.process import spawn_process
-from tfscale.launch.supervisor import JobResult, Supervisor, Task
+from tfscale.launch.supervisor import JobResult, Supervisor, Task, WorkerHandle
 
-__all__ = ["run_local_job"]
+__all__ = ["log_path", "run_local_job"]
 
 
 def run_local_job(
@@ -21,6 +26,9 @@ def run_local_job(
     max_restarts: int = 0,
     grace_s: float = 5.0,
     timeout_s: float | None = None,
+    base_env: Mapping[str, str] | None = None,
+    output_dir: str | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> JobResult:
     """Runs ``job`` as processes on this machine under a :class:`Supervisor`.
 
@@ -31,6 +39,10 @@ def run_local_job(
         max_restarts: Restarts of the whole job after a failure.
         grace_s: Seconds between SIGTERM and SIGKILL when stopping tasks.
         timeout_s: Time limit of the whole job (exit status 124 past it), or None.
+        base_env: The environment the tasks inherit (``os.environ`` by default).
+        output_dir: If given, each task's output goes to ``output_dir/<label>.log``
+            (``worker-0.log``) instead of ``[label]``-prefixed lines on stdout.
+        log: Receives the supervisor's messages (default: stderr, ``[tfscale launch]``).
 
     Returns:
         The job's result.
@@ -42,17 +54,29 @@ def run_local_job(
     _check(job, max_restarts, grace_s, timeout_s)
     if port_base is not None:
         check_ports(port_base, job.num_tasks, job.host)  # fail before starting anything
-    gpus = assign_gpus(visible_gpus(os.environ), job.workers, job.gpus_per_worker)
+    env = os.environ if base_env is None else base_env
+    gpus = assign_gpus(visible_gpus(env), job.workers, job.gpus_per_worker)
 
     def make_tasks(attempt: int) -> list[Task]:
         if port_base is None:
             ports = free_ports(job.num_tasks, job.host)
         else:
             ports = check_ports(port_base, job.num_tasks, job.host)
-        return plan_tasks(job, ports, attempt, gpus=gpus)
+        return plan_tasks(job, ports, attempt, base_env=env, gpus=gpus)
 
-    supervisor = Supervisor(spawn_process, grace_s=grace_s)
+    def spawn(task: Task) -> WorkerHandle:
+        if output_dir is None:
+            return spawn_process(task, grace_s=grace_s)
+        with open(log_path(output_dir, task.label), "ab") as output:
+            return spawn_process(task, log=output, grace_s=grace_s)
+
+    supervisor = Supervisor(spawn, grace_s=grace_s, log=log)
     return supervisor.run(make_tasks, max_restarts=max_restarts, timeout_s=timeout_s)
+
+
+def log_path(output_dir: str, label: str) -> str:
+    """Where ``run_local_job(output_dir=...)`` writes the output of the task ``label``."""
+    return os.path.join(output_dir, label.replace(" ", "-") + ".log")
 
 
 def _check(job: LocalJob, max_restarts: int, grace_s: float, timeout_s: float | None) -> None:

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from tfscale.cluster import DEVICE_KINDS_ENV, tf_config
+from tfscale.cluster import DEVICE_KINDS_ENV, SOURCE_ENV, TFConfigSource, tf_config
 from tfscale.launch.supervisor import Task
 
 __all__ = ["ATTEMPT_ENV", "SERVER_MODULE", "LocalJob", "plan_tasks"]
@@ -78,6 +78,9 @@ def plan_tasks(
     """
     base = dict(os.environ if base_env is None else base_env)
     base.pop("TF_CONFIG", None)
+    # The launcher writes TF_CONFIG: read it as written, even in a Kubernetes pod (where
+    # TF_CONFIG would otherwise be checked as a TFJob's).
+    base[SOURCE_ENV] = TFConfigSource.name
     base["PYTHONUNBUFFERED"] = "1"  # lines reach the [worker i] prefixer as they are printed
     base[ATTEMPT_ENV] = str(attempt)
     if job.devices_per_worker:

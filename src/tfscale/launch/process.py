@@ -1,111 +1,44 @@
-"""Real worker processes for the supervisor: own process group, output prefixed per task.
+"""The supervisor's real ``spawn``: a task becomes a guarded child of :mod:`tfscale.processes`.
 
-Each task runs in a new session (so in its own process group): a SIGTERM or SIGKILL sent to
-the group reaches the children the task started too, and the terminal's Ctrl-C reaches only
-the launcher, which then stops every task itself. Output (stdout and stderr together) is
-read line by line by one thread per task and written as ``[worker 1] line``.
+Each task runs in its own process group (a SIGTERM or SIGKILL to the group reaches the
+children the task started too; the terminal's Ctrl-C reaches only the launcher, which then
+stops every task itself), and dies with the launcher even when the launcher is SIGKILLed.
+Its output (stdout and stderr together) is written as ``[worker 1] line``, or to a file.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import subprocess
-import sys
-import threading
 from typing import IO
 
 from tfscale.launch.supervisor import Task
+from tfscale.processes import DEVNULL, STDOUT, Child, start
 
-__all__ = ["ProcessHandle", "spawn_process"]
-
-_WRITE_LOCK = threading.Lock()
-
-
-class ProcessHandle:
-    """A started task: a ``subprocess.Popen`` in its own process group, and its reader."""
-
-    def __init__(self, process: subprocess.Popen[bytes], reader: threading.Thread) -> None:
-        self._process = process
-        self._reader = reader
-
-    @property
-    def pid(self) -> int:
-        """The process id, which is also its process group id."""
-        return self._process.pid
-
-    def poll(self) -> int | None:
-        """The exit code, or None while the task runs."""
-        return self._process.poll()
-
-    def wait(self, timeout: float) -> int | None:
-        """Waits up to ``timeout`` seconds for the task; None if it still runs."""
-        try:
-            return self._process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def terminate(self) -> None:
-        """SIGTERM to the task's process group."""
-        self._signal_group(signal.SIGTERM)
-
-    def kill(self) -> None:
-        """SIGKILL to the task's process group."""
-        self._signal_group(signal.SIGKILL)
-
-    def close(self) -> None:
-        """Kills what is left of the group (children of a finished task) and joins the reader."""
-        self._signal_group(signal.SIGKILL)
-        self._reader.join(timeout=10.0)
-        if self._process.stdout is not None:
-            self._process.stdout.close()
-
-    def _signal_group(self, signum: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):  # group gone already
-            os.killpg(self._process.pid, signum)
+__all__ = ["spawn_process"]
 
 
-def spawn_process(task: Task, *, sink: IO[str] | None = None) -> ProcessHandle:
-    """Starts ``task`` as a process in its own process group, its output prefixed.
+def spawn_process(
+    task: Task, *, sink: IO[str] | None = None, log: IO[bytes] | None = None, grace_s: float = 5.0
+) -> Child:
+    """Starts ``task``; the returned child is the supervisor's handle.
 
     Args:
         task: What to run.
-        sink: Where prefixed lines go (``sys.stdout`` by default).
+        sink: Where ``[label]``-prefixed lines go (``sys.stdout`` by default).
+        log: A file for the task's raw output instead of prefixed lines.
+        grace_s: Seconds between SIGTERM and SIGKILL when the launcher dies.
 
     Returns:
-        The handle the supervisor watches.
+        The started child (``pid`` is its process group).
     """
-    process = subprocess.Popen(
-        list(task.argv),
-        env=dict(task.env),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+    if log is not None:
+        return start(
+            task.argv, env=task.env, stdin=DEVNULL, stdout=log, stderr=STDOUT, grace_s=grace_s
+        )
+    return start(
+        task.argv,
+        env=task.env,
+        stdin=DEVNULL,
+        prefix=f"[{task.label}] ",
+        sink=sink,
+        grace_s=grace_s,
     )
-    reader = threading.Thread(
-        target=_copy_lines,
-        args=(process.stdout, f"[{task.label}] ", sink),
-        name=f"tfscale-launch-{task.label}",
-        daemon=True,
-    )
-    reader.start()
-    return ProcessHandle(process, reader)
-
-
-def _copy_lines(stream: IO[bytes] | None, prefix: str, sink: IO[str] | None) -> None:
-    if stream is None:
-        return
-    writable = True
-    for raw in iter(stream.readline, b""):
-        if not writable:
-            continue  # keep draining: a worker blocked on a full pipe would hang the job
-        line = raw.decode("utf-8", errors="replace").rstrip("\n")
-        out = sink if sink is not None else sys.stdout
-        try:
-            with _WRITE_LOCK:
-                out.write(f"{prefix}{line}\n")
-                out.flush()
-        except (OSError, ValueError):  # closed or broken stdout (e.g. `| head`)
-            writable = False

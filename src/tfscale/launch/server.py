@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-from tfscale.cluster import parse_tf_config
+from tfscale.cluster import cluster_from_env
 from tfscale.errors import ClusterConfigError, explain
 
 __all__ = ["main"]
@@ -21,7 +21,7 @@ __all__ = ["main"]
 def main() -> int:
     """Starts this task's server from ``TF_CONFIG`` and serves until the process is stopped."""
     raw = os.environ.get("TF_CONFIG", "")
-    config = parse_tf_config(raw) if raw.strip() else None
+    config = cluster_from_env()  # a TFJob pod's TF_CONFIG is checked as a TFJob writes it
     if config is None or config.task_type not in ("ps", "worker") or "chief" not in config.cluster:
         raise ClusterConfigError(
             explain(

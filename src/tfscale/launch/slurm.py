@@ -2,28 +2,30 @@
 
 Inside an allocation, ``srun`` starts one copy of ``tfscale launch --slurm script.py`` per
 task. Each copy derives its place in the cluster from Slurm's environment
-(:func:`tfscale.cluster.cluster_from_slurm`), sets ``TF_CONFIG`` and replaces itself with
+(:class:`tfscale.cluster.SlurmSource`), sets ``TF_CONFIG`` and replaces itself with
 the script, so the process Slurm watches and signals is the script itself. ``srun
 --kill-on-bad-exit=1`` then does what the local supervisor does: one task fails, all stop.
 """
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import NoReturn
 
-from tfscale.cluster import DEVICE_KINDS_ENV, cluster_from_slurm
+from tfscale.cluster import (
+    DEFAULT_SLURM_PORT,
+    DEVICE_KINDS_ENV,
+    SOURCE_ENV,
+    SlurmSource,
+    TFConfigSource,
+)
 from tfscale.errors import LaunchError, explain
 from tfscale.launch.gpus import assign_gpus, visible_gpus
+from tfscale.processes import replace_process
 
 __all__ = ["DEFAULT_SLURM_PORT", "exec_slurm_task", "sbatch_script", "slurm_task_env"]
-
-#: First port on each node; the k-th task on a node listens on base + k (as TensorFlow's
-#: SlurmClusterResolver does).
-DEFAULT_SLURM_PORT = 8888
 
 
 def slurm_task_env(
@@ -47,9 +49,10 @@ def slurm_task_env(
     Raises:
         tfscale.ClusterConfigError: The Slurm environment is missing or malformed.
     """
-    config = cluster_from_slurm(env, port_base=port_base)
+    config = SlurmSource(port_base).resolve(env)
     out = dict(env)
     out["TF_CONFIG"] = config.to_json()
+    out[SOURCE_ENV] = TFConfigSource.name  # written here from Slurm's variables: read as is
     gpus = visible_gpus(env) if list_gpus is None else visible_gpus(env, list_gpus)
     host, _, port = (config.address or ":0").rpartition(":")
     on_node = sum(a.rpartition(":")[0] == host for a in config.workers)
@@ -70,10 +73,7 @@ def exec_slurm_task(
 ) -> NoReturn:
     """Replaces this process with ``python script...`` running with its ``TF_CONFIG``."""
     task_env = slurm_task_env(env, port_base=port_base)
-    argv = [python, *script]
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(python, argv, task_env)
+    replace_process([python, *script], task_env)
 
 
 def sbatch_script(

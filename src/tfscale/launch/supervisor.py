@@ -1,8 +1,9 @@
 """Supervision of one job's worker processes: start, watch, stop together, restart.
 
 The supervisor decides; it does not create processes. It receives a ``spawn`` function that
-turns a :class:`Task` into a :class:`WorkerHandle` (``tfscale.launch.process.spawn_process``
-for real processes), so its logic is tested with fakes as well as with real workers.
+turns a :class:`Task` into a :class:`WorkerHandle` (for real processes a
+:class:`tfscale.processes.Child` from ``tfscale.launch.process.spawn_process``), so its logic
+is tested with fakes as well as with real workers.
 
 One attempt, as a timeline::
 
@@ -59,7 +60,7 @@ class Task:
 
 
 class WorkerHandle(Protocol):
-    """What the supervisor needs of a started task (``subprocess.Popen`` with extras)."""
+    """What the supervisor needs of a started task (:class:`tfscale.processes.Child`)."""
 
     @property
     def pid(self) -> int:
@@ -149,7 +150,8 @@ class Supervisor:
         spawn: Starts one task and returns its handle.
         grace_s: Seconds between SIGTERM and SIGKILL when stopping tasks.
         poll_interval_s: Seconds between two looks at the tasks.
-        log: Receives one line per event (start, failure, stop, restart).
+        log: Receives one line per event (start, failure, stop, restart); None prints it
+            to stderr as ``[tfscale launch] ...``.
         sleep: Waits between polls (a fake clock in tests).
         clock: Seconds from a monotonic clock, for the job's time limit.
     """
@@ -160,14 +162,14 @@ class Supervisor:
         *,
         grace_s: float = 5.0,
         poll_interval_s: float = 0.1,
-        log: Callable[[str], None] = _print_to_stderr,
+        log: Callable[[str], None] | None = None,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._spawn = spawn
         self._grace_s = grace_s
         self._poll_interval_s = poll_interval_s
-        self._log = log
+        self._log = _print_to_stderr if log is None else log
         self._sleep = sleep
         self._clock = clock
         self._deadline: float | None = None

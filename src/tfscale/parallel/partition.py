@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfscale.errors import PartitionError, explain
+from tfscale.internals import functional_nodes, inbound_nodes, node_key, tensor_producer
 
 __all__ = [
     "LayerInfo",
@@ -169,7 +170,7 @@ def chain_layers(model: keras.Model) -> list[keras.layers.Layer]:
                 )
             )
         return layers
-    nodes = getattr(model, "_nodes", None)
+    nodes = functional_nodes(model)
     if nodes is None or not getattr(model, "inputs", None):
         raise PartitionError(
             explain(
@@ -198,15 +199,15 @@ def _functional_chain(model: keras.Model, nodes: Any) -> list[keras.layers.Layer
     inputs_of: dict[str, list[str]] = {}
     problems: dict[str, list[str]] = {}
     for op in body:
-        # Keras keys a model's nodes as f"{id(op)}_ib-{index}" (keras.src.ops.function).
-        own = [n for i, n in enumerate(op._inbound_nodes) if f"{id(op)}_ib-{i}" in nodes]
+        # Only this model's calls of the layer (it may be reused by another model too).
+        own = [n for i, n in enumerate(inbound_nodes(op)) if node_key(op, i) in nodes]
         if len(own) != 1:
             problems.setdefault(op.name, []).append(f"is called {len(own)} times (a shared layer)")
         if not isinstance(op, keras.layers.Layer):
             problems.setdefault(op.name, []).append(
                 "is an operation, not a layer (wrap it in keras.layers.Lambda)"
             )
-        sources = [t._keras_history[0].name for n in own for t in n.input_tensors]
+        sources = [tensor_producer(t).name for n in own for t in n.input_tensors]
         inputs_of[op.name] = sources
         for source in sources:
             consumers.setdefault(source, []).append(op.name)

@@ -23,7 +23,9 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tfscale.device_names import select_devices
 from tfscale.errors import PartitionError, explain
+from tfscale.internals import backing_variable, reinitialize_variable, set_model_strategy
 from tfscale.parallel.partition import PartitionPlan, chain_layers
 
 __all__ = ["PlacedModel", "move_weights", "place", "resolve_devices", "run_stage"]
@@ -34,7 +36,7 @@ def resolve_devices(devices: Sequence[str] | None) -> list[str]:
 
     Args:
         devices: Device names (``"/device:CPU:1"``, ``"GPU:0"``...), or None for every
-            logical GPU, else every logical CPU.
+            logical GPU, else every logical CPU (:mod:`tfscale.device_names` decides).
 
     Returns:
         Fully qualified logical device names, in the order given.
@@ -42,41 +44,15 @@ def resolve_devices(devices: Sequence[str] | None) -> list[str]:
     Raises:
         PartitionError: A name TensorFlow does not list, a repeated device, or an empty list.
     """
-    gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
-    cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
-    if devices is None:
-        return gpus or cpus
-    known = {_short(name): name for name in gpus + cpus}
-    names = list(devices)
-    resolved = [known.get(_short(str(name))) for name in names]
-    missing = [n for n, r in zip(names, resolved, strict=True) if r is None]
-    if not names or missing or len(set(resolved)) != len(resolved):
-        problem = (
-            "No devices were given."
-            if not names
-            else f"Unknown devices: {missing}."
-            if missing
-            else "A device appears twice; each stage needs its own device."
-        )
-        raise PartitionError(
-            explain(
-                problem,
-                received=names,
-                allowed=f"distinct names among {sorted(known.values())}",
-                fix="pass devices=None to use every logical GPU (else CPU), or split one device "
-                "with tfscale.use_virtual_devices(n) before TensorFlow starts.",
-            )
-        )
-    return [r for r in resolved if r is not None]
-
-
-def _short(name: str) -> str:
-    """``/job:localhost/replica:0/task:0/device:CPU:1`` and ``/cpu:1`` -> ``CPU:1``."""
-    tail = name.rsplit("/", 1)[-1]
-    if tail.lower().startswith("device:"):
-        tail = tail[len("device:") :]
-    kind, _, index = tail.partition(":")
-    return f"{kind.upper()}:{index}"
+    logical = [d.name for d in tf.config.list_logical_devices()]
+    return select_devices(
+        devices,
+        logical,
+        who="pipeline/place",
+        error=PartitionError,
+        fix="pass devices=None to use every logical GPU (else CPU), or split one device "
+        "with tfscale.use_virtual_devices(n) before TensorFlow starts.",
+    )
 
 
 def move_weights(model: keras.Model, placed: PlacedModel) -> None:
@@ -92,7 +68,7 @@ def move_weights(model: keras.Model, placed: PlacedModel) -> None:
     for index, device in enumerate(placed.stage_devices):
         for layer in placed.stage_layers(index):
             for variable in layer.weights:
-                current = getattr(variable, "_value", None)
+                current = backing_variable(variable)
                 if not isinstance(current, tf.Variable) or current.device.endswith(
                     device.rsplit("/", 1)[-1]
                 ):
@@ -102,7 +78,7 @@ def move_weights(model: keras.Model, placed: PlacedModel) -> None:
                 ):
                     continue  # a strategy owns these variables' placement
                 with tf.init_scope(), tf.device(device):
-                    variable._initialize(tf.identity(current))
+                    reinitialize_variable(variable, tf.identity(current))
     for attribute in ("train_function", "test_function", "predict_function"):
         if getattr(model, attribute, None) is not None:
             setattr(model, attribute, None)
@@ -200,7 +176,7 @@ class PlacedModel(keras.Model):  # type: ignore[misc]
         # It declares the default (no-op) strategy as its own, so tfscale.fit, which
         # trains a model with the model's own strategy when given none, and Keras's fit
         # both train it as it is instead of choosing a MirroredStrategy over the devices.
-        self._distribute_strategy = tf.distribute.get_strategy()
+        set_model_strategy(self, tf.distribute.get_strategy())
         self.chain = list(layers)
         self.stage_sizes = tuple(int(s) for s in sizes)
         self.stage_devices = tuple(devices)

@@ -14,14 +14,9 @@ from typing import Any
 
 from tfscale.profiling import metrics
 from tfscale.profiling.advice import Advice, Facts, advise, fit_batch_cost
+from tfscale.profiling.agree import agree_points
 from tfscale.profiling.collectives import DEFAULT_SIZES, benchmark_allreduce
-from tfscale.profiling.harness import (
-    MeasuredStep,
-    Workload,
-    in_cluster,
-    resolve_workload,
-    strategy_for,
-)
+from tfscale.profiling.harness import MeasuredStep, Workload, resolve_workload, strategy_for
 from tfscale.profiling.report import Report, write_report
 from tfscale.profiling.steptime import robust_means, time_interleaved
 from tfscale.profiling.sweep import (
@@ -31,7 +26,7 @@ from tfscale.profiling.sweep import (
     run_sweep,
 )
 
-__all__ = ["bf16_available", "profile", "verify_advice"]
+__all__ = ["bf16_available", "measure_as_worker", "profile", "verify_advice"]
 
 
 def profile(
@@ -89,7 +84,19 @@ def profile(
     Raises:
         ProfileError: Devices cannot be set up, or the model cannot be measured.
     """
-    if workers > 1 and not in_cluster():
+    settings: dict[str, Any] = {
+        "batch_per_replica": batch_per_replica,
+        "accumulation": list(accumulation),
+        "steps": steps,
+        "warmup": warmup,
+        "verify": verify,
+        "trace_steps": trace_steps,
+        "collectives": collectives,
+        "jit_compile": jit_compile,
+        "probes": probes,
+    }
+    if workers > 1:
+        # The workers run measure_as_worker() below, each as one task of a local cluster.
         from tfscale.profiling.workers import profile_workers
 
         return profile_workers(
@@ -98,26 +105,66 @@ def profile(
             timeout_s=timeout_s,
             out=out,
             progress=progress,
-            settings={
-                "batch_per_replica": batch_per_replica,
-                "accumulation": list(accumulation),
-                "steps": steps,
-                "warmup": warmup,
-                "verify": verify,
-                "trace_steps": trace_steps,
-                "collectives": collectives,
-                "jit_compile": jit_compile,
-                "probes": probes,
-            },
+            settings=settings,
             dataset_fn=dataset_fn,
         )
+    report = _measure(
+        model,
+        replicas=replicas,
+        strong=strong,
+        dataset_fn=dataset_fn,
+        progress=progress,
+        cluster=False,
+        **settings,
+    )
+    if out:
+        write_report(report, out)
+    return report
+
+
+def measure_as_worker(model: str, **settings: Any) -> Report:
+    """One worker's part of ``profile(workers=N)``: the same measurement, as a task of the
+    cluster its ``TF_CONFIG`` describes (one ``MultiWorkerMirroredStrategy`` over every
+    worker; the timings agreed across workers before advice). Run by
+    ``tfscale.profiling.worker`` in each worker process.
+    """
+    return _measure(
+        model,
+        replicas=(1,),
+        strong=False,
+        dataset_fn=None,
+        progress=False,
+        cluster=True,
+        **settings,
+    )
+
+
+def _measure(
+    model: str | Callable[[], Any],
+    *,
+    replicas: Sequence[int],
+    batch_per_replica: int,
+    accumulation: Sequence[int],
+    steps: int,
+    warmup: int,
+    verify: bool,
+    dataset_fn: Callable[[Any], Any] | None,
+    strong: bool,
+    trace_steps: int,
+    collectives: bool,
+    jit_compile: bool,
+    probes: bool,
+    progress: bool,
+    cluster: bool,
+) -> Report:
+    """The measurement behind :func:`profile` (local devices) and :func:`measure_as_worker`."""
     counts = sorted(set(replicas))
-    if in_cluster():
+    if cluster:
         # Every worker process measures the cluster's replicas together (one strategy per
         # process, built before the runtime starts); there is one configuration to sweep.
         counts = [int(strategy_for(()).num_replicas_in_sync)]
         strong = False
-    kind, physical = ensure_devices(counts[-1])
+    kind, physical = ensure_devices(counts[-1], cluster=cluster)
     workload = resolve_workload(model, dataset_fn)
     devices = devices_for(kind)
     total = planned_steps(counts, accumulation, steps, warmup, strong, probes)
@@ -134,10 +181,9 @@ def profile(
             jit_compile=jit_compile,
             probes=probes,
             tick=tick,
+            cluster=cluster,
         )
-        if in_cluster():
-            from tfscale.profiling.workers import agree_points
-
+        if cluster:
             points = agree_points(points, strategy_for(()))
         results = []
         if collectives and counts[-1] > 1:
@@ -175,10 +221,7 @@ def profile(
                 warmup=warmup,
                 jit_compile=jit_compile,
             )
-    report = Report(**{**report.__dict__, "advice": advice, "verification": verification})
-    if out:
-        write_report(report, out)
-    return report
+    return Report(**{**report.__dict__, "advice": advice, "verification": verification})
 
 
 _NOTES = [

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tfscale.internals import cross_device_ops
 from tfscale.profiling import metrics
 
 __all__ = ["DEFAULT_SIZES", "CollectiveResult", "benchmark_allreduce"]
@@ -74,7 +75,7 @@ def benchmark_allreduce(
     import tensorflow as tf
 
     replicas = int(strategy.num_replicas_in_sync)
-    ops = getattr(strategy.extended, "_cross_device_ops", None)
+    ops = cross_device_ops(strategy)
     implementation = type(ops).__name__ if ops is not None else type(strategy).__name__
 
     @tf.function

@@ -1,17 +1,22 @@
 """The child side of ``tfscale profile script.py``: run a user's script with timing attached.
 
 ``keras.Model.fit`` is wrapped so that every call gets a :class:`ProfileCallback` (with a
-trace window) added to its callbacks; the script then runs as ``__main__`` with its own
-arguments, and the callbacks' summaries are written as JSON when it ends, however it ends.
+trace window) added to its callbacks; the script then runs as ``doctor --script`` runs it
+(:mod:`tfscale.script_runner`: as ``__main__`` with its own arguments, its folder on
+``sys.path``, the CPU split into 2 logical devices where there is no GPU and no layout was
+asked), and the callbacks' summaries are written as JSON when it ends, however it ends.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import runpy
+import os
 import sys
 from typing import Any
+
+from tfscale.internals import dataset_batch_size
+from tfscale.script_runner import run_as_main, split_cpu_when_alone
 
 __all__ = ["batch_size_of", "main", "run_script", "script_report"]
 
@@ -29,7 +34,7 @@ def batch_size_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
     first = tf.nest.flatten(spec)[0]
     dim = first.shape[0] if first.shape.rank else None
     if dim is None:  # batch() without drop_remainder: read the batch dataset's own size
-        dim = getattr(data, "_batch_size", None)
+        dim = dataset_batch_size(data)
     return int(dim) if dim is not None else None
 
 
@@ -39,6 +44,7 @@ def run_script(path: str, argv: list[str], out_json: str, trace_steps: tuple[int
     Returns:
         The script's exit status.
     """
+    split_cpu_when_alone()
     import keras
 
     from tfscale.profiling.callback import ProfileCallback
@@ -54,16 +60,11 @@ def run_script(path: str, argv: list[str], out_json: str, trace_steps: tuple[int
         return original(self, *args, **kwargs)
 
     keras.Model.fit = fit
-    status = 0
-    sys.argv = [path, *argv]
+    status = 1
     try:
-        runpy.run_path(path, run_name="__main__")
-    except SystemExit as stop:
-        status = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        status = run_as_main(path, argv)
     finally:
         keras.Model.fit = original
-        import os
-
         import tensorflow as tf
 
         gpus = len(tf.config.list_physical_devices("GPU"))

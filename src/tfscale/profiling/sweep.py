@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from tfscale.errors import ProfileError, explain
 from tfscale.profiling import metrics
-from tfscale.profiling.harness import MeasuredStep, Workload, in_cluster
+from tfscale.profiling.harness import MeasuredStep, Workload
 from tfscale.profiling.steptime import Breakdown, breakdown, robust_means, time_interleaved
 from tfscale.profiling.timeline import capture_steps
 
@@ -63,11 +63,12 @@ class SweepPoint:
         return self.breakdown.examples_per_s
 
 
-def ensure_devices(count: int) -> tuple[str, int]:
+def ensure_devices(count: int, *, cluster: bool = False) -> tuple[str, int]:
     """Makes at least ``count`` devices of the best kind exist, before TensorFlow starts if needed.
 
     GPUs are used when there are any (one GPU is split into logical GPUs when more replicas
-    are asked than exist); otherwise the CPU is split into ``count`` logical devices.
+    are asked than exist); otherwise the CPU is split into ``count`` logical devices. A
+    cluster worker (``cluster=True``) measures with the devices it has.
 
     Returns:
         ``(kind, physical device count)``.
@@ -83,7 +84,7 @@ def ensure_devices(count: int) -> tuple[str, int]:
     gpus = tf.config.list_physical_devices("GPU")
     kind = "GPU" if gpus else "CPU"
     physical = len(gpus) if gpus else (len(os.sched_getaffinity(0)) or 1)
-    if in_cluster():
+    if cluster:
         # A cluster worker measures over the whole cluster (harness.strategy_for) with the
         # devices it has; the replica count is the cluster's, not a local split.
         return kind, physical
@@ -196,6 +197,7 @@ def run_sweep(
     jit_compile: bool = False,
     probes: bool = True,
     tick: Tick | None = None,
+    cluster: bool = False,
 ) -> list[SweepPoint]:
     """Measures weak scaling (for each accumulation) and strong scaling over ``replicas``.
 
@@ -211,6 +213,7 @@ def run_sweep(
         jit_compile: Compile the per-replica step with XLA.
         probes: Measure the advice's cost probes at the largest replica count.
         tick: ``tick(description, steps_done)`` progress callback.
+        cluster: Measure as one worker of a ``bench --workers`` cluster (devices as they are).
 
     Returns:
         Weak points (per accumulation, ascending replicas), then strong points.
@@ -218,7 +221,7 @@ def run_sweep(
     counts = sorted(set(replicas))
     if not counts or counts[0] < 1:
         raise ProfileError(explain("Replica counts must be positive.", received=list(replicas)))
-    kind, _ = ensure_devices(counts[-1])
+    kind, _ = ensure_devices(counts[-1], cluster=cluster)
     devices = devices_for(kind)
     points: list[SweepPoint] = []
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tfscale.errors import ProfileError, explain
+from tfscale.internals import xplane_pb2
 from tfscale.profiling.metrics import shares
 
 __all__ = [
@@ -183,9 +184,7 @@ def read_xplane(path: str) -> list[Event]:
     Raises:
         ProfileError: The file cannot be read or parsed.
     """
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-
-    space = xplane_pb2.XSpace()
+    space = xplane_pb2().XSpace()
     try:
         with open(path, "rb") as handle:
             space.ParseFromString(handle.read())

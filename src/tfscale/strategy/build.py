@@ -5,7 +5,6 @@ Everything here touches TensorFlow's runtime; the decision itself is made in ``r
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -14,6 +13,13 @@ import tensorflow as tf
 
 from tfscale.cluster import ClusterConfig
 from tfscale.errors import StrategyError, explain
+from tfscale.internals import (
+    context_initialized,
+    context_started,
+    coordination_config_pb2,
+    eager_context,
+    forget_collective_setup,
+)
 from tfscale.strategy.rules import Decision
 
 __all__ = [
@@ -119,13 +125,9 @@ def _bound_worker_start(cluster: ClusterConfig, timeout_s: float) -> None:
     every task, makes construction raise DeadlineExceededError instead; the strategy then
     keeps this configuration (it only configures one when none exists).
     """
-    from tensorflow.python.eager import context  # private: the public API has no deadline
-
-    coordination = importlib.import_module(
-        "tensorflow.compiler.xla.tsl.protobuf.coordination_config_pb2"
-    )
-    ctx = context.context()
-    if getattr(ctx, "_context_handle", None) is not None or ctx.coordination_service:
+    coordination = coordination_config_pb2()
+    ctx = eager_context()  # private: the public API has no deadline
+    if context_started(ctx) or ctx.coordination_service:
         return  # too late (the build will say so), or someone configured it already
     jobs = [
         coordination.CoordinatedJob(name=job, num_tasks=len(cluster.cluster[job]))
@@ -229,11 +231,7 @@ def forget_failed_cluster() -> None:
     (private attributes, only while the context is still uninitialized) restores a plain
     local runtime.
     """
-    from tensorflow.python.eager import context  # private: no public way to undo it
-
-    ctx = context.context()
-    if getattr(ctx, "_initialized", True):
+    ctx = eager_context()  # private: no public way to undo it
+    if context_initialized(ctx):
         return
-    for name in ("_collective_ops_server_def", "_coordination_service_config"):
-        if hasattr(ctx, name):
-            setattr(ctx, name, None)
+    forget_collective_setup(ctx)

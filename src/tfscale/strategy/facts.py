@@ -7,7 +7,6 @@ still build MultiWorkerMirroredStrategy and set GPU memory growth afterwards.
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -15,11 +14,9 @@ from types import MappingProxyType
 from typing import Any
 
 from tfscale.cluster import ClusterConfig, cluster_from_env, worker_device_kinds
-from tfscale.errors import DeviceConfigError, explain
+from tfscale.device_names import normalize_device
 
 __all__ = ["StrategyFacts", "gather_facts", "normalize_device"]
-
-_DEVICE_RE = re.compile(r"^(?:.*/)?(?:device:)?(cpu|gpu|tpu):(\d+)$", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -71,25 +68,6 @@ class StrategyFacts:
                 for n in names
             )
         )
-
-
-def normalize_device(name: str) -> str:
-    """Canonical name: ``"gpu:1"``, ``"/GPU:1"``, ``".../device:GPU:1"`` -> ``"/device:GPU:1"``.
-
-    Raises:
-        DeviceConfigError: ``name`` is not a device name.
-    """
-    match = _DEVICE_RE.match(name.strip()) if isinstance(name, str) else None
-    if match is None:
-        raise DeviceConfigError(
-            explain(
-                "Not a device name.",
-                received=name,
-                allowed="names like '/device:GPU:0', 'GPU:1' or 'CPU:0'",
-                fix="list them with `tfscale devices`.",
-            )
-        )
-    return f"/device:{match.group(1).upper()}:{int(match.group(2))}"
 
 
 def _nccl_available(platform: str, build_info: Mapping[str, Any]) -> bool:

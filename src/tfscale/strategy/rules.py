@@ -18,8 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tfscale.cluster import ClusterConfig
+from tfscale.device_names import default_devices, select_devices
 from tfscale.errors import ClusterConfigError, DeviceConfigError, StrategyError, explain
-from tfscale.strategy.facts import StrategyFacts, normalize_device
+from tfscale.strategy.facts import StrategyFacts
 
 __all__ = ["KINDS", "Decision", "decide"]
 
@@ -54,29 +55,15 @@ def _select(facts: StrategyFacts, devices: Sequence[str] | None) -> tuple[str, .
     """Validates ``devices=`` against the facts; None means "pick for me"."""
     if devices is None:
         return None
-    if isinstance(devices, str):
-        devices = [devices]
-    available = facts.all_devices
-    chosen = tuple(normalize_device(d) for d in devices)
-    unknown = [d for d in chosen if d not in available]
-    problem = None
-    if not chosen:
-        problem = "devices= is empty."
-    elif unknown:
-        problem = f"devices= names devices TensorFlow does not see: {', '.join(unknown)}."
-    elif len(set(chosen)) != len(chosen):
-        problem = "devices= names a device twice."
-    if problem:
-        raise DeviceConfigError(
-            explain(
-                problem,
-                received=list(devices),
-                allowed=f"distinct names among {', '.join(available)}",
-                fix="pass devices=None to use every device, or check `tfscale doctor` for "
-                "why a GPU is missing.",
-            )
+    return tuple(
+        select_devices(
+            devices,
+            facts.all_devices,
+            who="choose_strategy(devices=...)",
+            fix="pass devices=None to use every device, or check `tfscale doctor` for "
+            "why a GPU is missing.",
         )
-    return chosen
+    )
 
 
 def _collectives_for(devices: Sequence[str], facts: StrategyFacts) -> tuple[str | None, str]:
@@ -103,19 +90,21 @@ def _collectives_for(devices: Sequence[str], facts: StrategyFacts) -> tuple[str 
 
 
 def _default_local(facts: StrategyFacts) -> tuple[tuple[str, ...], str]:
-    """The local devices to use when ``devices=None``, and why."""
-    gpus, cpus = facts.gpus, facts.cpus
-    if len(gpus) >= 2:
-        return gpus, f"{len(gpus)} local GPUs: MirroredStrategy replicates the model on each."
-    if len(gpus) == 1:
-        return gpus, "One local GPU: OneDeviceStrategy on it (a GPU beats any CPU split)."
-    if len(cpus) >= 2:
-        return cpus, (
-            f"No GPU; {len(cpus)} logical CPU devices: MirroredStrategy over them "
+    """The local devices to use when ``devices=None`` (every GPU, else every CPU), and why."""
+    devices = tuple(default_devices(facts.all_devices)) or ("/device:CPU:0",)
+    on_gpus = devices[0].startswith("/device:GPU:")
+    if on_gpus and len(devices) >= 2:
+        return devices, (
+            f"{len(devices)} local GPUs: MirroredStrategy replicates the model on each."
+        )
+    if on_gpus:
+        return devices, "One local GPU: OneDeviceStrategy on it (a GPU beats any CPU split)."
+    if len(devices) >= 2:
+        return devices, (
+            f"No GPU; {len(devices)} logical CPU devices: MirroredStrategy over them "
             "(they share the CPU's cores, useful for testing multi-replica code)."
         )
-    best = cpus[:1] or ("/device:CPU:0",)
-    return best, "No GPU and one CPU device: OneDeviceStrategy on the CPU."
+    return devices, "No GPU and one CPU device: OneDeviceStrategy on the CPU."
 
 
 def _local(facts: StrategyFacts, selected: tuple[str, ...] | None, reasons: list[str]) -> Decision:

@@ -34,10 +34,16 @@ __all__ = ["Engine"]
 _LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
+_EXIT_WAIT_S = 10.0
+
+
 @atexit.register
 def _shut_down_live_engines() -> None:
+    # A pool its owner never shut down: at interpreter exit nobody waits for its results,
+    # so running calls are ended (worker processes killed) rather than awaited, and the
+    # interpreter exits within seconds instead of hanging on a long task.
     for engine in list(_LIVE):
-        engine.shutdown(wait=True, cancel_futures=True)
+        engine.abort()
 
 
 @dataclass(eq=False)
@@ -161,6 +167,21 @@ class Engine:
                 if worker.thread is not None and not worker.abandoned:
                     worker.thread.join()
             self._finalize()
+
+    def abort(self) -> None:
+        """Cancels what is queued, ends running calls where the backend can, and finishes.
+
+        Waits at most a few seconds for the worker threads; a thread-backend call that
+        cannot be stopped is abandoned (its thread is a daemon).
+        """
+        self.shutdown(wait=False, cancel_futures=True)
+        for worker in list(self._workers):
+            worker.runner.interrupt()
+        deadline = time.monotonic() + _EXIT_WAIT_S
+        for worker in list(self._workers):
+            if worker.thread is not None and not worker.abandoned:
+                worker.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._finalize()
 
     # --------------------------------------------------------------- workers
     def _start(self, worker: _Worker) -> None:

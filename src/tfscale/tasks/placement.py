@@ -1,21 +1,23 @@
 """Which devices a pool's workers run on, and how a worker process is pinned to one.
 
-Decided here alone: ``devices=None`` means every logical GPU, or every logical CPU device when
-there is no GPU; a worker process for GPU ``k`` sees only that GPU through
-``CUDA_VISIBLE_DEVICES`` (so inside it the GPU is ``/device:GPU:0``), and a worker process for
-a CPU device sees no GPU at all.
+Which devices a request means is decided by :mod:`tfscale.device_names` (``devices=None``:
+every logical GPU, else every logical CPU device), as for ``choose_strategy`` and
+``pipeline``. A worker process for GPU ``k`` sees only that GPU through
+``CUDA_VISIBLE_DEVICES`` (so inside it the GPU is ``/device:GPU:0``): the ``k``-th GPU this
+process sees, read from its own ``CUDA_VISIBLE_DEVICES`` as CUDA reads it
+(:mod:`tfscale.visible_devices`, shared with the doctor and the launcher). A worker process
+for a CPU device sees no GPU at all.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 
+from tfscale.device_names import default_devices, device_kind, normalize_device, select_devices
 from tfscale.errors import DeviceConfigError, explain
+from tfscale.visible_devices import ENV_VAR, read_visible_devices
 
 __all__ = ["child_environment", "default_devices", "local_device", "normalize", "resolve_devices"]
-
-_NAME = re.compile(r"^(?:.*/)?(?:device:)?(cpu|gpu|tpu):(\d+)$", re.IGNORECASE)
 
 
 def normalize(name: str) -> str:
@@ -24,89 +26,62 @@ def normalize(name: str) -> str:
     Raises:
         DeviceConfigError: The name is not a device name.
     """
-    match = _NAME.match(name.strip()) if isinstance(name, str) else None
-    if match is None:
-        raise DeviceConfigError(
-            explain(
-                "A TaskPool device must be a TensorFlow device name.",
-                received=name,
-                allowed='names like "/device:GPU:0", "GPU:1" or "/device:CPU:0"',
-                fix="list them with tfscale.discover_devices(), or pass devices=None for all.",
-            )
-        )
-    return f"/device:{match.group(1).upper()}:{int(match.group(2))}"
+    return normalize_device(name)
 
 
-def default_devices(logical: Sequence[str]) -> list[str]:
-    """Every logical GPU of ``logical``, else every logical CPU device."""
-    names = [normalize(n) for n in logical]
-    gpus = [n for n in names if ":GPU:" in n]
-    return gpus or [n for n in names if ":CPU:" in n]
-
-
-def resolve_devices(devices: Sequence[str] | None, logical: Sequence[str]) -> list[str]:
+def resolve_devices(devices: str | Sequence[str] | None, logical: Sequence[str]) -> list[str]:
     """The pool's devices: ``devices`` checked against the ``logical`` ones TensorFlow lists.
 
     Raises:
         DeviceConfigError: A device is not present, is given twice, or none is left.
     """
-    if devices is None:
-        chosen = default_devices(logical)
-    else:
-        if isinstance(devices, str):
-            devices = [devices]
-        chosen = [normalize(d) for d in devices]
-        present = {normalize(n) for n in logical}
-        absent = [d for d in chosen if d not in present]
-        if absent:
-            raise DeviceConfigError(
-                explain(
-                    f"TaskPool devices not present: {', '.join(absent)}.",
-                    received=list(devices),
-                    allowed=", ".join(sorted(present)) or "no device",
-                    fix="pass devices=None for every GPU (or every CPU device), or "
-                    "tfscale.use_virtual_devices(n) first to split the CPU.",
-                )
-            )
-        if len(set(chosen)) != len(chosen):
-            raise DeviceConfigError(
-                explain(
-                    "A TaskPool device is listed twice.",
-                    received=chosen,
-                    fix="list each device once; use workers_per_device=k for k workers each.",
-                )
-            )
-    if not chosen:
-        raise DeviceConfigError(
-            explain("A TaskPool needs at least one device.", received=devices, fix="devices=None")
-        )
-    return chosen
+    present = [normalize_device(n) for n in logical]
+    return select_devices(
+        devices,
+        present,
+        who="TaskPool",
+        fix="pass devices=None for every GPU (or every CPU device), or "
+        "tfscale.use_virtual_devices(n) first to split the CPU; "
+        "use workers_per_device=k for k workers per device.",
+    )
 
 
 def local_device(device: str) -> str:
     """The name of ``device`` inside a worker process pinned to it."""
-    kind = normalize(device).split(":")[1]
-    return f"/device:{kind}:0"
+    return f"/device:{device_kind(device)}:0"
 
 
 def child_environment(device: str, parent: Mapping[str, str]) -> dict[str, str]:
     """The environment of a worker process pinned to ``device``.
 
-    GPU ``k`` is the ``k``-th physical GPU the parent sees: the parent's own
-    ``CUDA_VISIBLE_DEVICES`` list is honoured. A CPU device's worker sees no GPU.
+    GPU ``k`` is the ``k``-th GPU this process sees: the ``k``-th GPU of the parent's
+    ``CUDA_VISIBLE_DEVICES`` as CUDA reads it, else CUDA device ``k``. A CPU device's worker
+    sees no GPU.
+
+    Raises:
+        DeviceConfigError: GPU ``k`` is not among the GPUs ``CUDA_VISIBLE_DEVICES`` shows.
     """
     env = dict(parent)
     env.pop("TFSCALE_VIRTUAL_DEVICES", None)  # the child must not split or start TF by itself
     env.pop("TF_CONFIG", None)
-    name = normalize(device)
-    kind, number = name.split(":")[1], int(name.split(":")[2])
-    if kind == "GPU":
-        visible = parent.get("CUDA_VISIBLE_DEVICES")
-        if visible:
-            ids = [v.strip() for v in visible.split(",") if v.strip()]
-            env["CUDA_VISIBLE_DEVICES"] = ids[number] if number < len(ids) else str(number)
-        else:
-            env["CUDA_VISIBLE_DEVICES"] = str(number)
+    name = normalize_device(device)
+    number = int(name.rsplit(":", 1)[1])
+    if device_kind(name) != "GPU":
+        env[ENV_VAR] = "-1"
+        return env
+    visible = read_visible_devices(parent).ids
+    if visible is None:
+        env[ENV_VAR] = str(number)
+    elif number < len(visible):
+        env[ENV_VAR] = visible[number]
     else:
-        env["CUDA_VISIBLE_DEVICES"] = "-1"
+        raise DeviceConfigError(
+            explain(
+                f"TaskPool device {name} is not among the GPUs {ENV_VAR} shows.",
+                received=f"{ENV_VAR}={parent.get(ENV_VAR)!r} (read as CUDA reads it: "
+                f"{', '.join(visible) or 'no GPU'})",
+                allowed=f"GPU:0 to GPU:{len(visible) - 1}" if visible else "no GPU device",
+                fix="pass devices=None, or fix CUDA_VISIBLE_DEVICES (see `tfscale doctor`).",
+            )
+        )
     return env

@@ -95,7 +95,12 @@ class _Record(keras.callbacks.Callback):
         self._path = path
 
     def on_train_begin(self, logs: Any = None) -> None:
-        record = {"pid": os.getpid(), "start_step": int(self.model.optimizer.iterations.numpy())}
+        record = {
+            "pid": os.getpid(),
+            "pgid": os.getpgrp(),
+            "start_step": int(self.model.optimizer.iterations.numpy()),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
         with open(self._path, "w") as handle:
             json.dump(record, handle)
 

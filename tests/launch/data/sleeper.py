@@ -2,7 +2,9 @@
 
 Usage: sleeper.py OUT_DIR [EXIT_CODE]. Writes OUT_DIR/<label>.json with its pid, the pid of a
 child it starts (to check that the whole process group is stopped) and its environment's
-TF_CONFIG / TFSCALE_* values; then exits with EXIT_CODE if given, else sleeps 120 s.
+TF_CONFIG / TFSCALE_* values; then, with EXIT_CODE, exits with it once every task of its
+attempt has written its file (so that the first to fail cannot stop a peer before it has),
+else sleeps 120 s.
 """
 
 import json
@@ -28,6 +30,15 @@ with open(path + ".tmp", "w") as handle:
 os.rename(path + ".tmp", path)
 print(f"hello from {label}", flush=True)
 if len(sys.argv) > 2:
+    tasks = sum(len(addresses) for addresses in config["cluster"].values())
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if (
+            len([n for n in os.listdir(out_dir) if n.endswith(f"-{record['attempt']}.json")])
+            >= tasks
+        ):
+            break
+        time.sleep(0.02)
     child.kill()
     child.wait()
     sys.exit(int(sys.argv[2]))

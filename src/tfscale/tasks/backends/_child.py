@@ -1,6 +1,7 @@
 """The worker process of the process backend: runs cloudpickled calls read from a pipe.
 
-Started as ``python -m tfscale.tasks.backends._child READ_FD WRITE_FD`` with the device in
+Started (through :mod:`tfscale.processes`, so it dies with the pool's process) as
+``python -m tfscale.tasks.backends._child READ_FD WRITE_FD`` with the device in
 ``TFSCALE_TASK_DEVICE`` (the pool's name, for ``current_device()``) and
 ``TFSCALE_TASK_LOCAL_DEVICE`` (its name inside this process). TensorFlow is imported only if a
 task needs it: then the call runs under ``tf.device``. The process exits when the parent
@@ -13,11 +14,11 @@ import os
 import sys
 import time
 import traceback
-from multiprocessing.connection import Connection
 from typing import Any
 
 import cloudpickle
 
+from tfscale.processes.channel import Channel
 from tfscale.tasks.context import running_on
 
 __all__: list[str] = []
@@ -54,18 +55,17 @@ def _execute(message: bytes, device: str, local: str) -> bytes:
 
 def main(argv: list[str]) -> int:
     """Serves calls until the pipe closes."""
-    inbox = Connection(int(argv[0]), writable=False)
-    outbox = Connection(int(argv[1]), readable=False)
+    channel = Channel.from_fds(int(argv[0]), int(argv[1]))
     device = os.environ.get("TFSCALE_TASK_DEVICE", "")
     local = os.environ.get("TFSCALE_TASK_LOCAL_DEVICE", "/device:CPU:0")
     while True:
         try:
-            message = inbox.recv_bytes()
+            message = channel.receive()
         except (EOFError, OSError):
             return 0
         if not message:
             return 0
-        outbox.send_bytes(_execute(message, device, local))
+        channel.send(_execute(message, device, local))
 
 
 def _entry() -> Any:

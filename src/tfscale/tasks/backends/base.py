@@ -59,6 +59,12 @@ class Runner(ABC):
             Exception: Whatever the call raised.
         """
 
+    def interrupt(self) -> None:  # noqa: B027 (optional hook)
+        """Ends a running call at once, from another thread (at interpreter exit).
+
+        Runners that cannot stop a call (threads) do nothing; the call is abandoned.
+        """
+
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Releases the worker (bounded wait)."""
 

@@ -1,11 +1,13 @@
 """Process backend: one worker process per device, pinned to it, restarted when it dies.
 
-Each worker is a fresh interpreter (``subprocess`` with two pipes, not ``fork``: a forked
-TensorFlow runtime is not safe) that sees only its GPU through ``CUDA_VISIBLE_DEVICES``.
-Tasks and results travel with cloudpickle, so lambdas and closures work. A task that kills its
-process (``os._exit``, SIGKILL, the OOM killer) fails its own future only; the worker is
-started again before its next task. Every wait is bounded: a task past the pool's timeout has
-its process killed, and closing waits at most a few seconds before killing.
+Each worker is a fresh interpreter started through :mod:`tfscale.processes` (not ``fork``: a
+forked TensorFlow runtime is not safe), talking over a :class:`~tfscale.processes.Channel`,
+that sees only its GPU through ``CUDA_VISIBLE_DEVICES``. Tasks and results travel with
+cloudpickle, so lambdas and closures work. A task that kills its process (``os._exit``,
+SIGKILL, the OOM killer) fails its own future only; the worker is started again before its
+next task. Every wait is bounded: a task past the pool's timeout has its process killed, and
+closing waits at most a few seconds before killing. A worker dies with the pool's process,
+even when that process is SIGKILLed (the process layer's guard).
 """
 
 from __future__ import annotations
@@ -13,14 +15,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import Sequence
-from multiprocessing.connection import Connection
 from typing import Any
 
 import cloudpickle
 
+from tfscale.processes import Channel, start
 from tfscale.tasks.backends.base import (
     Backend,
     Call,
@@ -37,61 +38,48 @@ _CLOSE_WAIT_S = 5.0
 
 
 class _Worker:
-    """One child process and its two pipe ends."""
+    """One child process and the channel to it."""
 
     def __init__(self, device: str) -> None:
-        to_child_r, to_child_w = os.pipe()
-        from_child_r, from_child_w = os.pipe()
         env = child_environment(device, os.environ)
         env["TFSCALE_TASK_DEVICE"] = device
         env["TFSCALE_TASK_LOCAL_DEVICE"] = local_device(device)
         # The child finds the same modules as this process (tasks pickled by reference).
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        self.channel, ends = Channel.pair()
         try:
-            self.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "tfscale.tasks.backends._child",
-                    str(to_child_r),
-                    str(from_child_w),
-                ],
-                pass_fds=(to_child_r, from_child_w),
-                env=env,
-                start_new_session=True,
-            )
+            argv = [sys.executable, "-m", "tfscale.tasks.backends._child", *map(str, ends.fds)]
+            self.child = start(argv, env=env, pass_fds=ends.fds, grace_s=_CLOSE_WAIT_S)
         except BaseException:
-            os.close(to_child_w)
-            os.close(from_child_r)
+            self.channel.close()
             raise
         finally:
-            os.close(to_child_r)
-            os.close(from_child_w)
-        self.outbox = Connection(to_child_w, readable=False)
-        self.inbox = Connection(from_child_r, writable=False)
+            ends.close()
 
     def kill(self) -> int:
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
-                os.killpg(self.process.pid, signal.SIGKILL)
-        code = self.process.wait(timeout=_CLOSE_WAIT_S)
-        self._close_pipes()
-        return code
+        self.child.kill()
+        return self._release(self.child.wait(_CLOSE_WAIT_S))
+
+    def ended(self) -> int:
+        """The exit code of a worker whose channel reached end of file: it is ending, and
+        its guard reports how (waiting here keeps "exited with code 3" from reading as a
+        kill by this process)."""
+        code = self.child.wait(_CLOSE_WAIT_S)
+        return self.kill() if code is None else self._release(code)
+
+    def _release(self, code: int | None) -> int:
+        self.child.close()
+        self.channel.close()
+        return -int(signal.SIGKILL) if code is None else code
 
     def stop(self) -> None:
         with contextlib.suppress(OSError):
-            self.outbox.send_bytes(b"")
-        try:
-            self.process.wait(timeout=_CLOSE_WAIT_S)
-        except subprocess.TimeoutExpired:
-            self.kill()
-        self._close_pipes()
-
-    def _close_pipes(self) -> None:
-        for end in (self.outbox, self.inbox):
-            if not end.closed:
-                end.close()
+            self.channel.send(b"")
+        if self.child.wait(_CLOSE_WAIT_S) is None:
+            self.child.kill()
+        self.child.close()
+        self.channel.close()
 
 
 class _ProcessRunner(Runner):
@@ -100,21 +88,21 @@ class _ProcessRunner(Runner):
         self._worker: _Worker | None = _Worker(device)
 
     def run(self, call: Call, timeout: float | None) -> tuple[Any, float]:
-        if self._worker is None or self._worker.process.poll() is not None:
+        if self._worker is None or self._worker.child.poll() is not None:
             if self._worker is not None:
-                self._worker.kill()
+                self._worker.ended()
             self._worker = _Worker(self.device)
         worker = self._worker
         message = cloudpickle.dumps((call.fn, call.args, call.kwargs))
         try:
-            worker.outbox.send_bytes(message)
-            if not worker.inbox.poll(timeout):
+            worker.channel.send(message)
+            if not worker.channel.poll(timeout):
                 worker.kill()
                 self._worker = None
-                raise TimedOutError(f"its worker process (pid {worker.process.pid}) was killed")
-            reply = worker.inbox.recv_bytes()
-        except (EOFError, OSError, BrokenPipeError):
-            code = worker.kill()
+                raise TimedOutError(f"its worker process (pid {worker.child.pid}) was killed")
+            reply = worker.channel.receive()
+        except (EOFError, OSError):
+            code = worker.ended()
             self._worker = None
             raise WorkerLostError(_exit_description(code)) from None
         outcome = cloudpickle.loads(reply)
@@ -123,6 +111,11 @@ class _ProcessRunner(Runner):
         error: BaseException = outcome[1]
         error.__cause__ = RemoteTraceback(outcome[2])
         raise error
+
+    def interrupt(self) -> None:
+        worker = self._worker
+        if worker is not None:
+            worker.child.kill()  # the call's wait ends at once (end of file)
 
     def close(self) -> None:
         if self._worker is not None:

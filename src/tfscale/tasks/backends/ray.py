@@ -15,9 +15,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from tfscale.device_names import default_devices, normalize_device
 from tfscale.errors import TaskError, explain
 from tfscale.tasks.backends.base import Backend, Call, Runner, TimedOutError, WorkerLostError
-from tfscale.tasks.placement import local_device, normalize
+from tfscale.tasks.placement import local_device
 
 __all__ = ["RayBackend", "import_ray"]
 
@@ -113,16 +114,18 @@ class RayBackend(Backend):
             self._started = False
 
     def devices(self, requested: Sequence[str] | None) -> list[str]:
-        """``requested`` as given, or one device per GPU of the cluster (per CPU without GPUs)."""
+        """``requested`` as given, or one device per GPU of the cluster (per CPU without GPUs).
+
+        Requested names are not checked against the cluster's resources: a Ray cluster may
+        grow, and a CPU "device" here is a slot of one CPU that Ray queues when busy.
+        """
         if requested is not None:
-            return [
-                normalize(d) for d in ([requested] if isinstance(requested, str) else requested)
-            ]
+            names = [requested] if isinstance(requested, str) else list(requested)
+            return [normalize_device(name) for name in names]
         resources = self._ray.cluster_resources()
-        gpus = int(resources.get("GPU", 0))
-        if gpus:
-            return [f"/device:GPU:{i}" for i in range(gpus)]
-        return [f"/device:CPU:{i}" for i in range(max(1, int(resources.get("CPU", 1))))]
+        available = [f"/device:GPU:{i}" for i in range(int(resources.get("GPU", 0)))]
+        available += [f"/device:CPU:{i}" for i in range(max(1, int(resources.get("CPU", 1))))]
+        return default_devices(available)
 
     def runner(self, device: str) -> Runner:
         return _RayRunner(device, self._ray)

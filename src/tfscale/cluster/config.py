@@ -1,9 +1,10 @@
-"""The cluster a process belongs to: parse, validate and build ``TF_CONFIG``.
+"""The cluster model: :class:`ClusterConfig`, and ``TF_CONFIG`` parsed, validated and built.
 
 This module imports no TensorFlow: the launcher uses it to write each worker's
-``TF_CONFIG``, and ``choose_strategy`` uses it to read the variable back. Every source of a
-cluster description (``TF_CONFIG`` here; Slurm and Kubernetes are resolved by their own
-function) produces the same frozen :class:`ClusterConfig`, validated by :func:`validate`.
+``TF_CONFIG``, and ``choose_strategy`` reads the variable back through the cluster sources
+(:mod:`tfscale.cluster.sources`). Every source of a cluster description (plain ``TF_CONFIG``,
+Slurm, a Kubernetes TFJob) produces the same frozen :class:`ClusterConfig`, validated by
+:func:`validate`.
 
 A ``TF_CONFIG`` looks like::
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -31,9 +31,7 @@ __all__ = [
     "TASK_TYPES",
     "TF_CONFIG_ENV",
     "ClusterConfig",
-    "cluster_from_env",
-    "cluster_from_kubernetes",
-    "cluster_from_slurm",
+    "fail",
     "parse_tf_config",
     "tf_config",
     "validate",
@@ -134,7 +132,7 @@ class ClusterConfig:
         return json.dumps(self.as_dict(), sort_keys=True)
 
 
-def _fail(
+def fail(
     field_name: str, problem: str, received: object, allowed: str, fix: str
 ) -> ClusterConfigError:
     return ClusterConfigError(
@@ -150,19 +148,19 @@ def _fail(
 def _check_address(field_name: str, address: object) -> None:
     allowed = "'host:port' with a port from 1 to 65535, e.g. '10.0.0.2:2222' or '[::1]:2222'"
     if not isinstance(address, str):
-        raise _fail(field_name, "an address must be a string.", address, allowed, "quote it.")
+        raise fail(field_name, "an address must be a string.", address, allowed, "quote it.")
     host, sep, port = address.rpartition(":")
     if not sep or not host or host in ("[", "[]"):
-        raise _fail(field_name, "the address has no host:port.", address, allowed, "add the port.")
+        raise fail(field_name, "the address has no host:port.", address, allowed, "add the port.")
     if not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise _fail(
+        raise fail(
             field_name, f"the port {port!r} is not valid.", address, allowed, "fix the port."
         )
 
 
 def _check_cluster(cluster: Mapping[str, Any]) -> None:
     if not cluster:
-        raise _fail(
+        raise fail(
             "cluster",
             "the cluster is empty.",
             dict(cluster),
@@ -173,7 +171,7 @@ def _check_cluster(cluster: Mapping[str, Any]) -> None:
     for task_type, addresses in cluster.items():
         where = f"cluster.{task_type}"
         if task_type not in TASK_TYPES:
-            raise _fail(
+            raise fail(
                 where,
                 f"unknown task type {task_type!r}.",
                 task_type,
@@ -181,7 +179,7 @@ def _check_cluster(cluster: Mapping[str, Any]) -> None:
                 "rename or remove it.",
             )
         if isinstance(addresses, str) or not isinstance(addresses, (list, tuple)) or not addresses:
-            raise _fail(
+            raise fail(
                 where,
                 "expected a non-empty list of addresses.",
                 addresses,
@@ -189,7 +187,7 @@ def _check_cluster(cluster: Mapping[str, Any]) -> None:
                 f"e.g. {_EXAMPLE}",
             )
         if task_type == "chief" and len(addresses) != 1:
-            raise _fail(
+            raise fail(
                 where,
                 "a cluster has exactly one chief.",
                 list(addresses),
@@ -200,7 +198,7 @@ def _check_cluster(cluster: Mapping[str, Any]) -> None:
             _check_address(f"{where}[{index}]", address)
             here = f"{where}[{index}]"
             if address in seen:
-                raise _fail(
+                raise fail(
                     here,
                     f"address {address!r} is also used by {seen[address]}.",
                     address,
@@ -212,7 +210,7 @@ def _check_cluster(cluster: Mapping[str, Any]) -> None:
 
 def _check_task(cluster: Mapping[str, Sequence[str]], task_type: object, index: object) -> None:
     if task_type not in TASK_TYPES:
-        raise _fail(
+        raise fail(
             "task.type",
             "unknown task type.",
             task_type,
@@ -221,7 +219,7 @@ def _check_task(cluster: Mapping[str, Sequence[str]], task_type: object, index: 
         )
     assert isinstance(task_type, str)
     if task_type not in cluster and task_type != "evaluator":
-        raise _fail(
+        raise fail(
             "task.type",
             f"the cluster has no {task_type!r} tasks.",
             task_type,
@@ -229,7 +227,7 @@ def _check_task(cluster: Mapping[str, Sequence[str]], task_type: object, index: 
             "fix task.type or add the task type to cluster.",
         )
     if isinstance(index, bool) or not isinstance(index, int):
-        raise _fail(
+        raise fail(
             "task.index",
             "the index must be an integer.",
             index,
@@ -238,7 +236,7 @@ def _check_task(cluster: Mapping[str, Sequence[str]], task_type: object, index: 
         )
     size = len(cluster.get(task_type, ())) or 1  # an evaluator outside the cluster is task 0
     if not 0 <= index < size:
-        raise _fail(
+        raise fail(
             "task.index",
             f"out of range for the {size} {task_type!r} task(s).",
             index,
@@ -284,7 +282,7 @@ def parse_tf_config(raw: str) -> ClusterConfig:
             )
         ) from None
     if not isinstance(data, dict):
-        raise _fail(
+        raise fail(
             "TF_CONFIG",
             "expected a JSON object.",
             data,
@@ -293,7 +291,7 @@ def parse_tf_config(raw: str) -> ClusterConfig:
         )
     for key in ("cluster", "task"):
         if key not in data:
-            raise _fail(
+            raise fail(
                 key,
                 "the field is missing.",
                 sorted(data),
@@ -301,11 +299,11 @@ def parse_tf_config(raw: str) -> ClusterConfig:
                 f"e.g. {_EXAMPLE}",
             )
         if not isinstance(data[key], dict):
-            raise _fail(key, "expected a JSON object.", data[key], "an object", f"e.g. {_EXAMPLE}")
+            raise fail(key, "expected a JSON object.", data[key], "an object", f"e.g. {_EXAMPLE}")
     cluster, task = data["cluster"], data["task"]
     for key in ("type", "index"):
         if key not in task:
-            raise _fail(
+            raise fail(
                 f"task.{key}",
                 "the field is missing.",
                 task,
@@ -315,28 +313,6 @@ def parse_tf_config(raw: str) -> ClusterConfig:
     _check_cluster(cluster)
     _check_task(cluster, task["type"], task["index"])
     return ClusterConfig(cluster, task["type"], task["index"])
-
-
-def cluster_from_env(env: Mapping[str, str] | None = None) -> ClusterConfig | None:
-    """The multi-process cluster this process belongs to, from ``TF_CONFIG``.
-
-    Args:
-        env: The environment to read (``os.environ`` by default).
-
-    Returns:
-        The cluster, or None when ``TF_CONFIG`` is absent or empty, or describes a single
-        task (a one-task cluster means no multi-worker training).
-
-    Raises:
-        ClusterConfigError: ``TF_CONFIG`` is set but malformed (see :func:`parse_tf_config`).
-    """
-    env = os.environ if env is None else env
-    raw = env.get(TF_CONFIG_ENV, "").strip()
-    if not raw:
-        return None
-    config = parse_tf_config(raw)
-    total = sum(len(a) for a in config.cluster.values())
-    return config if total > 1 else None
 
 
 def worker_device_kinds(
@@ -407,189 +383,3 @@ def tf_config(
         cluster["ps"] = list(ps)
     raw = json.dumps({"cluster": cluster, "task": {"type": task_type, "index": task_index}})
     return parse_tf_config(raw).to_json()
-
-
-# --- Slurm and Kubernetes (added by the launch work) -----------------------------------------
-
-#: Slurm variables read by :func:`cluster_from_slurm`, each with the job-wide fallback that
-#: ``sbatch`` sets outside a job step.
-_SLURM_FIELDS = {
-    "ntasks": ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"),
-    "nodelist": ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"),
-    "tasks_per_node": ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"),
-}
-_SLURM_FIX = "run the script through `srun tfscale launch --slurm script.py` inside an allocation."
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-
-
-def _slurm_error(
-    field_name: str, problem: str, received: object, allowed: str
-) -> ClusterConfigError:
-    return ClusterConfigError(
-        explain(
-            f"Slurm environment `{field_name}`: {problem}",
-            received=received,
-            allowed=allowed,
-            fix=_SLURM_FIX,
-        )
-    )
-
-
-def _slurm_get(env: Mapping[str, str], names: Sequence[str]) -> tuple[str, str]:
-    for name in names:
-        value = env.get(name, "").strip()
-        if value:
-            return name, value
-    raise _slurm_error(
-        names[0],
-        "the variable is not set.",
-        "not set",
-        f"set by srun inside a job step ({' or '.join(names)})",
-    )
-
-
-def _slurm_int(name: str, value: str, low: int) -> int:
-    if not value.isdigit() or int(value) < low:
-        raise _slurm_error(name, "expected an integer.", value, f"an integer >= {low}")
-    return int(value)
-
-
-def cluster_from_slurm(
-    env: Mapping[str, str] | None = None, *, port_base: int = 8888
-) -> ClusterConfig:
-    """This Slurm task's place in a MultiWorkerMirrored cluster of every task of the job step.
-
-    Tasks are numbered as Slurm's default block distribution places them: the first node of
-    the node list holds tasks 0..k-1, and so on. The k-th task on a node listens on
-    ``port_base + k``, as in TensorFlow's ``SlurmClusterResolver`` (which sorts host names
-    alphabetically instead: the two agree whenever Slurm's node list is sorted, as it
-    normally is).
-
-    Args:
-        env: The environment (``os.environ`` by default).
-        port_base: The first port on each node.
-
-    Returns:
-        A cluster of ``worker`` tasks; this task is ``worker`` number ``SLURM_PROCID``.
-
-    Raises:
-        ClusterConfigError: A variable is missing or malformed, or the variables disagree
-            (rank out of range, tasks per node not matching the node list or task count);
-            the message names the variable.
-    """
-    from tfscale.hostlist import expand_hostlist, expand_tasks_per_node
-
-    env = os.environ if env is None else env
-    if not env.get("SLURM_PROCID", "").strip():
-        raise _slurm_error(
-            "SLURM_PROCID",
-            "the variable is not set (not inside a Slurm task).",
-            "not set",
-            "set by srun for every task: 0 .. ntasks-1",
-        )
-    rank = _slurm_int("SLURM_PROCID", env["SLURM_PROCID"].strip(), 0)
-    ntasks_name, ntasks_raw = _slurm_get(env, _SLURM_FIELDS["ntasks"])
-    ntasks = _slurm_int(ntasks_name, ntasks_raw, 1)
-    if rank >= ntasks:
-        raise _slurm_error(
-            "SLURM_PROCID",
-            f"rank {rank} is out of range for {ntasks} tasks.",
-            rank,
-            f"0 to {ntasks - 1} ({ntasks_name}={ntasks})",
-        )
-    nodes_name, nodes_raw = _slurm_get(env, _SLURM_FIELDS["nodelist"])
-    hosts = expand_hostlist(nodes_raw, field=nodes_name)
-    if len(set(hosts)) != len(hosts):
-        raise _slurm_error(nodes_name, "a node is listed twice.", nodes_raw, "each node once")
-    per_node_name, per_node_raw = _slurm_get(env, _SLURM_FIELDS["tasks_per_node"])
-    counts = expand_tasks_per_node(per_node_raw, field=per_node_name)
-    if len(counts) != len(hosts):
-        raise _slurm_error(
-            per_node_name,
-            f"{len(counts)} node count(s) for {len(hosts)} nodes.",
-            f"{per_node_name}={per_node_raw!r}, {nodes_name}={nodes_raw!r}",
-            "one count per node of the node list",
-        )
-    if sum(counts) != ntasks:
-        raise _slurm_error(
-            per_node_name,
-            f"the counts add up to {sum(counts)}, not {ntasks}.",
-            f"{per_node_name}={per_node_raw!r}, {ntasks_name}={ntasks}",
-            f"counts that add up to {ntasks_name}",
-        )
-    if port_base < 1 or port_base + max(counts) - 1 > 65535:
-        raise _slurm_error(
-            "port_base", "the ports run outside 1..65535.", port_base, f"1 to {65536 - max(counts)}"
-        )
-    workers = [
-        f"{host}:{port_base + k}" for host, n in zip(hosts, counts, strict=True) for k in range(n)
-    ]
-    return ClusterConfig({"worker": tuple(workers)}, "worker", rank, source="Slurm")
-
-
-def _check_pod_address(field_name: str, address: str, task_type: str, index: int) -> None:
-    host = address.rpartition(":")[0]
-    labels = host.split(".")
-    if not all(_DNS_LABEL.fullmatch(label) for label in labels):
-        raise _fail(
-            field_name,
-            "not a Kubernetes service DNS name.",
-            address,
-            "'<job>-<type>-<index>.<namespace>.svc:<port>' as a TFJob writes it",
-            "let the TFJob operator set TF_CONFIG; do not write it by hand in a pod.",
-        )
-    expected_suffix = f"-{task_type}-{index}"
-    if not labels[0].endswith(expected_suffix):
-        raise _fail(
-            field_name,
-            f"the service name does not end in {expected_suffix!r}, so it is "
-            f"not the address of {task_type} {index}.",
-            address,
-            f"'<job>{expected_suffix}.<namespace>.svc:<port>'",
-            "list each replica type's addresses in index order, as the TFJob operator does.",
-        )
-
-
-def cluster_from_kubernetes(env: Mapping[str, str] | None = None) -> ClusterConfig:
-    """The cluster of a pod started by a Kubeflow TFJob, from the ``TF_CONFIG`` it was given.
-
-    Beyond :func:`parse_tf_config`, checks what a TFJob guarantees: every address is a
-    service DNS name ``<job>-<type>-<index>.<namespace>.svc:<port>`` in index order, and
-    (where ``HOSTNAME`` is set) this pod is the task ``TF_CONFIG`` says it is.
-
-    Args:
-        env: The environment (``os.environ`` by default).
-
-    Returns:
-        The cluster, with ``source="Kubernetes"``.
-
-    Raises:
-        ClusterConfigError: ``TF_CONFIG`` is missing or malformed, an address is not the
-            service name of its task, or the task does not match this pod.
-    """
-    env = os.environ if env is None else env
-    raw = env.get(TF_CONFIG_ENV, "").strip()
-    if not raw:
-        raise _fail(
-            TF_CONFIG_ENV,
-            "the variable is not set.",
-            "not set",
-            "TF_CONFIG set by the TFJob operator in each pod",
-            "run the script as a TFJob (tfscale launch --k8s writes one).",
-        )
-    parsed = parse_tf_config(raw)
-    for task_type, addresses in parsed.cluster.items():
-        for index, address in enumerate(addresses):
-            _check_pod_address(f"cluster.{task_type}[{index}]", address, task_type, index)
-    hostname = env.get("HOSTNAME", "").strip()
-    own = parsed.address
-    if hostname and own is not None and own.split(".")[0] != hostname:
-        raise _fail(
-            "task",
-            f"this pod is {hostname!r} but TF_CONFIG names task "
-            f"{parsed.task_type} {parsed.task_index} at {own!r}.",
-            {"type": parsed.task_type, "index": parsed.task_index},
-            f"the task whose address starts with {hostname!r}",
-            "do not copy TF_CONFIG between pods; each pod gets its own from the operator.",
-        )
-    return ClusterConfig(parsed.cluster, parsed.task_type, parsed.task_index, source="Kubernetes")
