@@ -23,6 +23,7 @@ from typing import Any
 __all__ = [
     "DEFAULT_STRATEGY_CLASS",
     "backing_variable",
+    "builtin_all_reduce_replaced",
     "compile_config_objects",
     "context_initialized",
     "context_started",
@@ -42,6 +43,7 @@ __all__ = [
     "node_key",
     "optimizer_trainable_variables",
     "override",
+    "per_replica_component_specs",
     "reduce_per_replica",
     "reinitialize_variable",
     "replica_count_scaling_off",
@@ -250,6 +252,24 @@ def disable_builtin_all_reduce(optimizer: Any) -> None:
         override(optimizer, "_all_reduce_sum_gradients", list)
 
 
+@contextlib.contextmanager
+def builtin_all_reduce_replaced(replacement: Callable[[Any, Any], Any]) -> Iterator[None]:
+    """Replaces ``TFOptimizer._all_reduce_sum_gradients`` on the class while active.
+
+    Optimizers prepared by tfscale override it on the instance
+    (:func:`disable_builtin_all_reduce`), which wins; any other optimizer reaching its
+    built-in all-reduce calls ``replacement(optimizer, grads_and_vars)`` instead.
+    """
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    saved = TFOptimizer.__dict__["_all_reduce_sum_gradients"]
+    TFOptimizer._all_reduce_sum_gradients = replacement
+    try:
+        yield
+    finally:
+        TFOptimizer._all_reduce_sum_gradients = saved
+
+
 def optimizer_trainable_variables(optimizer: Any) -> list[Any]:
     """``optimizer._trainable_variables``: what ``apply(grads)`` without variables updates."""
     return list(optimizer._trainable_variables)
@@ -324,6 +344,12 @@ def cross_device_ops(strategy: Any) -> Any:
     (``profiling/collectives.py``.)
     """
     return getattr(strategy.extended, "_cross_device_ops", None)
+
+
+def per_replica_component_specs(spec: Any) -> list[Any] | None:
+    """``PerReplicaSpec._value_specs``: one spec per local replica (None for other specs)."""
+    components = getattr(spec, "_value_specs", None)
+    return list(components) if components else None
 
 
 # -- TensorFlow: the eager context ----------------------------------------------------------

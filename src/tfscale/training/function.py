@@ -83,7 +83,6 @@ def _unprepared_optimizers_refused() -> Iterator[None]:
     optimizer doing Keras's own all-reduce would sum them: N times the gradient.
     Prepared optimizers have the all-reduce replaced on the instance, which wins over this.
     """
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
     def refuse(self: Any, grads_and_vars: Any) -> Any:
         raise TrainingError(
@@ -97,12 +96,8 @@ def _unprepared_optimizers_refused() -> Iterator[None]:
             )
         )
 
-    saved = TFOptimizer.__dict__["_all_reduce_sum_gradients"]
-    TFOptimizer._all_reduce_sum_gradients = refuse
-    try:
+    with internals.builtin_all_reduce_replaced(refuse):
         yield
-    finally:
-        TFOptimizer._all_reduce_sum_gradients = saved
 
 
 class StepFunction:

@@ -69,7 +69,7 @@ def resolve_strategy(model: Any, strategy: tf.distribute.Strategy | None) -> Any
         return strategy
     if tf.distribute.has_strategy():
         return tf.distribute.get_strategy()
-    own = getattr(model, "_distribute_strategy", None)
+    own = internals.model_strategy(model)
     if own is not None:
         return own
     from tfscale.strategy import choose_strategy
@@ -232,7 +232,7 @@ class Prepared:
     def _first_replica_spec(spec: Any) -> Any:
         # A distributed dataset's spec is a PerReplicaSpec (its components, one per local
         # replica); a plain dataset's a TensorSpec.
-        components = getattr(spec, "_value_specs", None)
+        components = internals.per_replica_component_specs(spec)
         return components[0] if components else spec
 
 
