@@ -34,7 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfscale.errors import ScopeError, explain
-from tfscale.internals import compile_config_objects, model_strategy, variable_strategy
+from tfscale.internals import compile_config_objects, variable_strategy
 
 __all__ = [
     "VariableOrigin",
@@ -363,13 +363,11 @@ def _scope_message(bad: Sequence[_VariableFacts], total: int, strategy_text: str
 
 
 def _resolve_strategy(model: Any, strategy: tf.distribute.Strategy | None) -> Any:
-    if strategy is not None:
-        return strategy
-    if tf.distribute.has_strategy():
-        return tf.distribute.get_strategy()
-    own = model_strategy(model)  # Keras 3: set when built in a scope
-    if own is not None:
-        return own
+    from tfscale.strategy.current import strategy_in_effect
+
+    found = strategy_in_effect(model, strategy)
+    if found is not None:
+        return found
     for variable in _model_variables(model):
         owner = _owner(_tf_variable(variable))
         if owner is not None:

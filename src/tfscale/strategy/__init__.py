@@ -13,12 +13,14 @@ The choice is made in three steps so that each can be tested and shown on its ow
    TensorFlow refuses, it falls back to one device, keeps the error and warns, unless
    ``strict=True``.
 
-Everything else in tfscale receives the resulting :class:`StrategyChoice`.
+Everything else in tfscale receives the resulting :class:`StrategyChoice`; where a caller
+takes ``strategy=None``, :func:`strategy_in_effect` (``current.py``) says which one is meant.
 """
 
 from __future__ import annotations
 
 from tfscale.strategy.choice import StrategyChoice, choose_strategy
+from tfscale.strategy.current import strategy_in_effect
 from tfscale.strategy.facts import StrategyFacts, gather_facts, normalize_device
 from tfscale.strategy.rules import KINDS, Decision, decide
 
@@ -31,4 +33,5 @@ __all__ = [
     "decide",
     "gather_facts",
     "normalize_device",
+    "strategy_in_effect",
 ]

@@ -63,18 +63,12 @@ class Options:
 
 
 def resolve_strategy(model: Any, strategy: tf.distribute.Strategy | None) -> Any:
-    """The strategy to train with: explicit, else the current scope's, else the one the
-    model was built under, else ``tfscale.choose_strategy()``."""
-    if strategy is not None:
-        return strategy
-    if tf.distribute.has_strategy():
-        return tf.distribute.get_strategy()
-    own = internals.model_strategy(model)
-    if own is not None:
-        return own
-    from tfscale.strategy import choose_strategy
+    """The strategy to train with: ``strategy_in_effect`` (explicit, the active scope's, the
+    model's own), else ``tfscale.choose_strategy()`` over every device."""
+    from tfscale.strategy import choose_strategy, strategy_in_effect
 
-    return choose_strategy().strategy
+    found = strategy_in_effect(model, strategy)
+    return found if found is not None else choose_strategy().strategy
 
 
 def check_model(model: Any) -> None:

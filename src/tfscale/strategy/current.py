@@ -1,0 +1,27 @@
+"""Which strategy a model is meant to run under, when the caller names none.
+
+One order for everything that takes ``strategy=None`` (``tfscale.fit`` / ``prepare`` and
+``check_scope``): the strategy given, else the one whose scope is active, else the one the
+model was built under (Keras records it). What happens when none of these exists is the
+caller's decision: training chooses one over every device, a scope check judges against the
+strategy that owns the model's variables.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tfscale import internals
+
+__all__ = ["strategy_in_effect"]
+
+
+def strategy_in_effect(model: Any, strategy: Any = None) -> Any:
+    """The strategy given, else the active scope's, else the model's own; None otherwise."""
+    import tensorflow as tf
+
+    if strategy is not None:
+        return strategy
+    if tf.distribute.has_strategy():
+        return tf.distribute.get_strategy()
+    return internals.model_strategy(model)
