@@ -32,6 +32,8 @@ class Trainer:
         jit_compile: XLA for each replica's forward and backward pass.
         all_reduce: False applies each replica's own gradient (profiling only).
         sample_batch: One batch of one replica; builds the model, its metrics and optimizer.
+        bucket_bytes: All-reduce buckets of this many bytes (None: one packed all-reduce).
+        gradient_compression: ``"bf16"`` / ``"fp16"``: all-reduce dense gradients in it.
 
     Attributes:
         timings: :class:`StepTiming` of each update while ``record_timings`` is True.
@@ -50,6 +52,8 @@ class Trainer:
         jit_compile: bool = False,
         all_reduce: bool = True,
         sample_batch: Any = None,
+        bucket_bytes: int | None = None,
+        gradient_compression: str | None = None,
     ) -> None:
         prepare(
             model,
@@ -59,6 +63,8 @@ class Trainer:
             mixed_precision=mixed_precision,
             remat=remat,
             jit_compile=jit_compile,
+            bucket_bytes=bucket_bytes,
+            gradient_compression=gradient_compression,
         )
         state = prepared(model)
         assert state is not None
