@@ -41,12 +41,14 @@ class _Crash(keras.callbacks.Callback):
 
 
 _UNINTERRUPTED: list[Any] = []
+SEED = 11
 
 
 def _uninterrupted(folder: Path) -> Any:
-    """The same run in one go. With a checkpoint folder, fit shuffles arrays with a
-    permutation fixed per epoch, which is what makes a resumed epoch see the same batches."""
+    """The same run in one go: the same seed, so the same per-epoch orders of the arrays
+    (kept in the checkpoint, which is what makes a resumed epoch see the same batches)."""
     if not _UNINTERRUPTED:
+        keras.utils.set_random_seed(SEED)
         x, y = DATA
         strategy = strategy_for(2)
         model = tiny_model(strategy, "adam", lr=0.01)
@@ -70,6 +72,7 @@ def test_stopped_after_epoch_2_of_4_and_resumed_equals_uninterrupted(
     x, y = DATA
     strategy = strategy_for(2)
     first = tiny_model(strategy, "adam", lr=0.01)
+    keras.utils.set_random_seed(SEED)
     tfscale.fit(
         first,
         x,
@@ -107,6 +110,7 @@ def test_crash_mid_epoch_resumes_from_the_last_step_checkpoint(
     x, y = DATA
     strategy = strategy_for(2)
     config = CheckpointConfig(str(tmp_path), every_steps=3)
+    keras.utils.set_random_seed(SEED)
     with pytest.raises(RuntimeError, match="simulated crash"):
         tfscale.fit(
             tiny_model(strategy, "adam", lr=0.01),

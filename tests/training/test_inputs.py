@@ -285,3 +285,40 @@ def test_unknown_length_data_ends_each_epoch_with_one_or_several_steps_per_call(
     iterator = iter(strategy.experimental_distribute_dataset(data))
     results = [trainer.train(iterator, 1)[:2] for _ in range(9)]
     assert results == [(1, False)] * 8 + [(0, True)]
+
+
+def test_one_distributed_iterator_serves_every_epoch_of_a_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Keras makes an iterator per epoch (and a spare one at its end); tfscale.fit gives it
+    the epochs as one dataset, so one iterator serves the fit, with the same weights."""
+    from keras.src.backend.tensorflow.trainer import TFEpochIterator
+
+    made: list[int] = []  # the epoch iterator object each new iterator was made for
+    original = TFEpochIterator._get_iterator
+
+    def counting(self: Any) -> Any:
+        made.append(id(self))
+        return original(self)
+
+    monkeypatch.setattr(TFEpochIterator, "_get_iterator", counting)
+    x, y = DATA
+    strategy = strategy_for(2)
+    dataset = batches(x, y, 32)
+    for data in ({"x": x, "y": y, "batch_size": 32, "shuffle": False}, {"x": dataset}):
+        made.clear()
+        model = tiny_model(strategy, "adam", lr=0.01)
+        history = tfscale.fit(
+            model, epochs=4, validation_data=(x[:64], y[:64]), strategy=strategy, verbose=0,
+            **data,
+        )  # fmt: skip
+        # Training's: one for the 4 epochs, and Keras's spare one after the last. (Keras's
+        # evaluate resets its own every time: validation makes one per epoch.)
+        assert made.count(made[0]) == 2, made
+        assert history.epoch == [0, 1, 2, 3] and int(model.optimizer.iterations.numpy()) == 32
+        expected = reference_weights(x, y, batch=32, steps=8, optimizer="adam", lr=0.01, epochs=4)
+        assert relative_difference(model.get_weights(), expected) <= 1e-5
+    made.clear()
+    keras_model = tiny_model(strategy, "adam", lr=0.01)
+    keras_model.fit(dataset, epochs=4, validation_data=(x[:64], y[:64]), verbose=0)
+    assert made.count(made[0]) >= 8  # Keras alone: 2 per epoch for training (+1 to build)

@@ -31,7 +31,7 @@ from tfscale.errors import TrainingError, explain
 from tfscale.training.adopt import all_variables
 from tfscale.training.prepare import prepared
 
-__all__ = ["CheckpointCallback", "CheckpointConfig"]
+__all__ = ["CheckpointCallback", "CheckpointConfig", "SavedPosition", "saved_position"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,45 @@ class CheckpointConfig:
     max_to_keep: int = 2
 
 
+@dataclass(frozen=True)
+class SavedPosition:
+    """Where the latest checkpoint of a folder stands, read without restoring it.
+
+    Attributes:
+        epoch: The epoch to resume at.
+        batches: Batches of that epoch already trained.
+        data_seed: The seed of the arrays' per-epoch order (None if not saved).
+    """
+
+    epoch: int
+    batches: int
+    data_seed: int | None
+
+
+def _read_int(reader: Any, name: str) -> int | None:
+    key = f"{name}/.ATTRIBUTES/VARIABLE_VALUE"
+    return int(reader.get_tensor(key)) if reader.has_tensor(key) else None
+
+
+def saved_position(directory: str) -> SavedPosition | None:
+    """The position of ``directory``'s latest checkpoint, or None when it has none.
+
+    ``fit`` needs it before Keras starts (to order the arrays from the resumed epoch on);
+    the restore itself happens in :meth:`CheckpointCallback.on_train_begin`.
+    """
+    latest = tf.train.latest_checkpoint(directory)
+    if latest is None:
+        return None
+    try:
+        reader = tf.train.load_checkpoint(latest)
+    except (tf.errors.OpError, ValueError):
+        return None  # on_train_begin's restore explains what is wrong with it
+    epoch, batches = _read_int(reader, "epoch"), _read_int(reader, "batches")
+    if epoch is None or batches is None:
+        return None
+    return SavedPosition(epoch, batches, _read_int(reader, "data_seed"))
+
+
 def _task_id(strategy: tf.distribute.Strategy) -> int:
     resolver = getattr(strategy, "cluster_resolver", None)
     return int(getattr(resolver, "task_id", 0) or 0)
@@ -61,17 +100,18 @@ class CheckpointCallback(keras.callbacks.Callback):  # type: ignore[misc]
     Args:
         config: Where and how often.
         strategy: The training strategy (decides who writes where).
-        data_epoch: A variable the input reads to order each epoch (``data.EpochOrder``).
+        data_seed: The seed of the arrays' per-epoch order (``data.EpochOrder``), saved so
+            that a resumed run orders its epochs as the run it continues.
     """
 
     def __init__(
         self,
         config: CheckpointConfig,
         strategy: tf.distribute.Strategy,
-        data_epoch: tf.Variable | None = None,
+        data_seed: int | None = None,
     ) -> None:
         super().__init__()
-        self._data_epoch = data_epoch
+        self._data_seed = data_seed
         self.config = config
         self.strategy = strategy
         self._chief = bool(strategy.extended.should_checkpoint)
@@ -97,6 +137,8 @@ class CheckpointCallback(keras.callbacks.Callback):  # type: ignore[misc]
         if state is not None:
             for index, update in enumerate(state.updates()):
                 extra[f"update_{index}"] = update.checkpointed()
+        if self._data_seed is not None:
+            extra["data_seed"] = tf.Variable(self._data_seed, dtype=tf.int64, trainable=False)
         self._checkpoint = tf.train.Checkpoint(
             model=model,
             optimizer=model.optimizer,
@@ -176,8 +218,6 @@ class CheckpointCallback(keras.callbacks.Callback):  # type: ignore[misc]
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self._epoch_now = epoch
-        if self._data_epoch is not None:
-            self._data_epoch.assign(epoch)
         self._seen = self._skip_first_epoch_done = self._skip_first_epoch
         self._skip_first_epoch = 0
 

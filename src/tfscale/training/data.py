@@ -1,5 +1,6 @@
 """Inputs ``tfscale.fit`` hands to Keras beyond what ``model.fit`` reads itself.
 
+- One iterator per fit where the data allows (:func:`plan_inputs`, :class:`EpochOrder`).
 - ``dataset_fn(input_context)`` becomes ``strategy.distribute_datasets_from_function``.
 - A ``tf.data.Dataset`` under several workers is sharded by DATA unless the user chose a
   policy: AUTO tries FILE sharding first, and with fewer files than workers a worker gets no
@@ -10,11 +11,23 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
-__all__ = ["EpochOrder", "distributed_input", "is_dataset_fn", "num_workers"]
+from tfscale import internals
+
+__all__ = [
+    "EpochOrder",
+    "KerasInputs",
+    "agreed_seed",
+    "distributed_input",
+    "is_dataset_fn",
+    "num_workers",
+    "plan_inputs",
+]
 
 
 def num_workers(strategy: tf.distribute.Strategy) -> int:
@@ -41,12 +54,8 @@ def is_dataset_fn(data: Any) -> bool:
 
 
 def distributed_input(data: Any, strategy: tf.distribute.Strategy) -> Any:
-    """``data`` as ``model.fit`` should receive it under ``strategy`` (see the module doc).
-
-    Anything else (arrays, generators, PyDataset, distributed datasets) is returned as is.
-    """
-    if isinstance(data, tf.data.Dataset):
-        return _sharded(data, strategy)
+    """``dataset_fn`` as ``model.fit`` should receive it under ``strategy``: a distributed
+    dataset (see the module doc). Anything else is returned as is."""
     if not is_dataset_fn(data):
         return data
     if num_workers(strategy) == 1:
@@ -62,49 +71,185 @@ def distributed_input(data: Any, strategy: tf.distribute.Strategy) -> Any:
     return strategy.distribute_datasets_from_function(unknown_length)
 
 
-class EpochOrder:
-    """Arrays as a dataset shuffled with a permutation fixed by (seed, epoch).
+def _plain_arrays(*parts: Any) -> bool:
+    """Numeric numpy arrays or dense tensors (nested), the inputs :class:`EpochOrder` takes;
+    anything else (DataFrames, sparse tensors, text) stays with Keras's own adapter."""
+    leaves = [leaf for part in parts if part is not None for leaf in tf.nest.flatten(part)]
+    if not leaves:
+        return False
+    for leaf in leaves:
+        if isinstance(leaf, np.ndarray):
+            if leaf.dtype.kind not in "biuf" or leaf.ndim == 0:
+                return False
+        elif not (isinstance(leaf, tf.Tensor) and leaf.dtype != tf.string and leaf.shape.rank):
+            return False
+    return True
 
-    Keras shuffles arrays with an unseeded ``tf.random.shuffle``, so a run resumed from a
-    checkpoint sees other batches in its first epoch than the run it continues. With a
-    checkpoint folder, ``fit`` gives Keras this dataset instead (the same batches as Keras's
-    array adapter would make, last partial batch included); the checkpoint callback sets
-    :attr:`epoch` before each epoch's iterator is created.
+
+def agreed_seed(seed: int, strategy: tf.distribute.Strategy) -> int:
+    """Replica 0's ``seed`` on every worker (the arrays' order must be the same on all of
+    them: each keeps its DATA shard of it); ``seed`` itself on one worker."""
+    if num_workers(strategy) == 1:
+        return seed
+    values = strategy.experimental_distribute_values_from_function(
+        lambda context: tf.constant(seed if context.replica_id_in_sync_group == 0 else 0, tf.int64)
+    )
+    return int(strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None))
+
+
+class EpochOrder:
+    """Arrays as ONE dataset for every epoch of a fit, each epoch in its own fixed order.
+
+    Keras makes (and tears down) a distributed iterator per epoch, plus a spare one at each
+    epoch's end: ~90 ms each on 2 logical CPUs, more than a short epoch's training. Here
+    the epochs ``range(first, epochs)`` follow each other in one dataset, so Keras keeps one
+    iterator for the whole fit (``steps_per_epoch`` set: its iterator continues). Epoch ``e``
+    is batched in the order of a permutation fixed by ``(seed, e)`` (or in the given order
+    with ``shuffle=False``), the same batches Keras's array adapter makes, last partial batch
+    included, so a run resumed at epoch ``e`` sees what the run it continues would have.
 
     Args:
         arrays: ``(x, y, sample_weight)``, any of them nested structures of arrays.
         batch_size: Global batch size (None: Keras's default, 32).
-        seed: Seed of the permutations.
+        epochs: The epochs this fit runs (``range(initial_epoch, epochs)``).
+        shuffle: Permute each epoch.
+        seed: Seed of the permutations (kept in checkpoints: ``training/checkpoint.py``).
+
+    Attributes:
+        dataset: The dataset to give Keras (with ``steps_per_epoch``).
+        steps_per_epoch: Batches in one epoch.
     """
 
-    def __init__(self, arrays: tuple[Any, Any, Any], batch_size: int | None, seed: int = 0):
-        import numpy as np
-
-        self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="data_epoch")
+    def __init__(
+        self,
+        arrays: tuple[Any, Any, Any],
+        batch_size: int | None,
+        *,
+        epochs: range,
+        shuffle: bool,
+        seed: int,
+    ) -> None:
         x, y, sample_weight = arrays
         parts = tuple(p for p in (x, y, sample_weight) if p is not None)
-        tensors = tf.nest.map_structure(lambda a: tf.convert_to_tensor(np.asarray(a)), parts)
+        tensors = tf.nest.map_structure(tf.convert_to_tensor, parts)
         count = int(tf.shape(tf.nest.flatten(tensors)[0])[0])
         batch = 32 if batch_size is None else int(batch_size)
-        epoch = self.epoch
+        self.seed = int(seed)
+        self.steps_per_epoch = -(-count // batch)
 
-        def permutation(_: tf.Tensor) -> tf.Tensor:
-            seeds = tf.stack([tf.constant(seed, tf.int64), epoch.read_value()])
-            return tf.random.experimental.stateless_shuffle(tf.range(count, dtype=tf.int64), seeds)
+        def permutation(epoch: tf.Tensor) -> tf.Tensor:
+            indices = tf.range(count, dtype=tf.int64)
+            if not shuffle:
+                return indices
+            seeds = tf.stack([tf.constant(self.seed, tf.int64), epoch])
+            return tf.random.experimental.stateless_shuffle(indices, seeds)
 
         def gather(indices: tf.Tensor, data: Any) -> Any:
             return tf.nest.map_structure(lambda t: tf.gather(t, indices), data)
 
-        order = tf.data.Dataset.range(1).map(permutation)
-        order = order.flat_map(lambda idx: tf.data.Dataset.from_tensor_slices(idx).batch(batch))
+        order = tf.data.Dataset.from_tensor_slices(tf.constant(list(epochs), tf.int64))
+        order = order.map(permutation).flat_map(
+            lambda idx: tf.data.Dataset.from_tensor_slices(idx).batch(batch)
+        )
         dataset = tf.data.Dataset.zip((order, tf.data.Dataset.from_tensors(tensors).repeat()))
         dataset = dataset.map(gather, num_parallel_calls=tf.data.AUTOTUNE)
-        # flat_map hides the length; Keras needs it to count each epoch's steps.
-        dataset = dataset.apply(tf.data.experimental.assert_cardinality(-(-count // batch)))
+        # flat_map hides the length; Keras counts steps from it.
+        total = len(epochs) * self.steps_per_epoch
+        dataset = dataset.apply(tf.data.experimental.assert_cardinality(total))
         options = tf.data.Options()
-        # The permutation reads a variable (the epoch): state outside the dataset's graph.
-        options.experimental_external_state_policy = tf.data.experimental.ExternalStatePolicy.IGNORE
         options.experimental_distribute.auto_shard_policy = (
             tf.data.experimental.AutoShardPolicy.DATA
         )
         self.dataset = dataset.with_options(options).prefetch(tf.data.AUTOTUNE)
+
+
+@dataclass
+class KerasInputs:
+    """What ``tfscale.fit`` hands to ``model.fit`` once its input decisions are made.
+
+    Attributes:
+        fit: Keyword arguments for ``model.fit``'s data (``x, y, sample_weight, batch_size,
+            shuffle, steps_per_epoch, validation_split, validation_data,
+            validation_steps``).
+        order: The arrays' :class:`EpochOrder`, when ``fit`` batches them itself.
+        unknown_length: A multi-worker ``dataset_fn`` whose length is hidden (its epochs
+            end when every worker agrees the data has ended).
+    """
+
+    fit: dict[str, Any]
+    order: EpochOrder | None = None
+    unknown_length: bool = False
+
+
+def _finite_length(dataset: Any) -> int | None:
+    if not isinstance(dataset, tf.data.Dataset):
+        return None
+    count = int(dataset.cardinality())
+    return count if count > 0 else None
+
+
+def plan_inputs(
+    *,
+    x: Any,
+    y: Any,
+    sample_weight: Any,
+    batch_size: int | None,
+    shuffle: bool | str,
+    steps_per_epoch: int | None,
+    validation_split: float,
+    validation_data: Any,
+    validation_steps: int | None,
+    epochs: range,
+    seed: int,
+    strategy: tf.distribute.Strategy,
+) -> KerasInputs:
+    """Turns ``fit``'s data arguments into ``model.fit``'s, with one iterator per fit where
+    the data allows it (see :class:`EpochOrder`).
+
+    - Numeric arrays with ``shuffle`` True or False: :class:`EpochOrder` (after Keras's own
+      ``validation_split``). Other arrays (DataFrames, sparse, text) go to Keras's adapter.
+    - A finite ``tf.data.Dataset`` of known length: repeated for the fit's epochs, with
+      ``steps_per_epoch`` its length, so Keras's iterator continues across epochs; each
+      repetition re-runs the dataset's own shuffle. Under several workers it is sharded
+      by DATA (see the module doc).
+    Validation data stays as given: Keras's ``evaluate`` resets its iterator every time.
+    - ``dataset_fn``: a distributed dataset (its length hidden across workers).
+    Anything with ``steps_per_epoch`` set by the user stays as it is: Keras's meaning.
+    """
+    fit: dict[str, Any] = {
+        "x": x,
+        "y": y,
+        "sample_weight": sample_weight,
+        "batch_size": batch_size,
+        "shuffle": shuffle,
+        "steps_per_epoch": steps_per_epoch,
+        "validation_split": validation_split,
+        "validation_data": validation_data,
+        "validation_steps": validation_steps,
+    }
+    order = None
+    several = len(epochs) > 1 and steps_per_epoch is None
+    if several and shuffle in (True, False) and _plain_arrays(x, y, sample_weight):
+        if validation_split and validation_data is None:
+            (x, y, sample_weight), fit["validation_data"] = internals.train_validation_split(
+                (x, y, sample_weight), validation_split
+            )
+        order = EpochOrder(
+            (x, y, sample_weight), batch_size, epochs=epochs, shuffle=bool(shuffle), seed=seed
+        )
+        fit.update(
+            x=order.dataset, y=None, sample_weight=None, batch_size=None, shuffle=False,
+            steps_per_epoch=order.steps_per_epoch, validation_split=0.0,
+        )  # fmt: skip
+    elif isinstance(x, tf.data.Dataset):
+        fit["shuffle"] = False  # Keras ignores it for datasets, and warns on every call
+        length = _finite_length(x)
+        if several and length is not None:
+            fit.update(x=x.repeat(len(epochs)), steps_per_epoch=length)
+        fit["x"] = _sharded(fit["x"], strategy)
+    unknown_length = is_dataset_fn(x) and num_workers(strategy) > 1
+    if is_dataset_fn(x):
+        fit["x"] = distributed_input(x, strategy)
+    if fit["validation_data"] is not None and is_dataset_fn(fit["validation_data"]):
+        fit["validation_data"] = distributed_input(fit["validation_data"], strategy)
+    return KerasInputs(fit, order, unknown_length)

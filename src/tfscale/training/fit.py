@@ -16,12 +16,17 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
-from tfscale import internals
 from tfscale.errors import TrainingError, explain
 from tfscale.training.callbacks import ExactSteps, NonFiniteGuard, is_chief
-from tfscale.training.checkpoint import CheckpointCallback, CheckpointConfig
+from tfscale.training.checkpoint import (
+    CheckpointCallback,
+    CheckpointConfig,
+    SavedPosition,
+    saved_position,
+)
 from tfscale.training.checks import (
     check_batch_size,
     check_checkpoint_dir,
@@ -30,7 +35,7 @@ from tfscale.training.checks import (
     check_validation,
 )
 from tfscale.training.coordinator import fit_with_coordinator, is_parameter_server
-from tfscale.training.data import EpochOrder, distributed_input, is_dataset_fn, num_workers
+from tfscale.training.data import agreed_seed, plan_inputs
 from tfscale.training.prepare import check_model, prepare, prepared, resolve_strategy
 
 __all__ = ["fit"]
@@ -71,6 +76,14 @@ def _check_epochs(epochs: object, initial_epoch: object) -> None:
                     allowed=f"an int >= {low}",
                 )
             )
+
+
+def _data_seed(resumed: SavedPosition | None) -> int:
+    """The seed of the arrays' per-epoch order: the resumed run's, else a new one (from
+    NumPy's global generator, which ``keras.utils.set_random_seed`` seeds)."""
+    if resumed is not None and resumed.data_seed is not None:
+        return resumed.data_seed
+    return int(np.random.randint(2**31 - 1))
 
 
 def _check_input(x: Any, steps_per_epoch: int | None) -> None:
@@ -286,24 +299,23 @@ def fit(
         bucket_bytes=bucket_bytes,
         gradient_compression=gradient_compression,
     )
-    order = None
-    if config is not None and shuffle is True and internals.is_array_input(x, y, sample_weight):
-        # Resumable: the same shuffled batches in a resumed epoch (training/checkpoint.py).
-        if validation_split and validation_data is None:
-            (x, y, sample_weight), validation_data = internals.train_validation_split(
-                (x, y, sample_weight), validation_split
-            )
-            validation_split = 0.0
-        order = EpochOrder((x, y, sample_weight), batch_size)
-        x, y, sample_weight, batch_size, shuffle = order.dataset, None, None, None, False
-    if isinstance(x, tf.data.Dataset) and shuffle is True:
-        # Keras ignores shuffle for datasets, and warns that it does on every call because
-        # fit's default is True.
-        shuffle = False
-    from_function = is_dataset_fn(x)
-    x = distributed_input(x, strategy)
-    if validation_data is not None and not isinstance(validation_data, (tuple, list)):
-        validation_data = distributed_input(validation_data, strategy)
+    resumed = None if config is None else saved_position(config.directory)
+    first_epoch = initial_epoch if resumed is None else max(initial_epoch, resumed.epoch)
+    seed = agreed_seed(_data_seed(resumed), strategy)
+    inputs = plan_inputs(
+        x=x,
+        y=y,
+        sample_weight=sample_weight,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        steps_per_epoch=steps_per_epoch,
+        validation_split=validation_split,
+        validation_data=validation_data,
+        validation_steps=validation_steps,
+        epochs=range(first_epoch, epochs),
+        seed=seed,
+        strategy=strategy,
+    )
     callback_list = list(callbacks or [])
     state = prepared(model)
     assert state is not None
@@ -316,31 +328,22 @@ def fit(
         callback_list.append(NonFiniteGuard(None if loss_scaled else state.update))
     callback_list.append(ExactSteps())
     if config is not None:
-        data_epoch = None if order is None else order.epoch
-        callback_list.insert(0, CheckpointCallback(config, strategy, data_epoch=data_epoch))
+        callback_list.insert(0, CheckpointCallback(config, strategy, data_seed=seed))
     if not is_chief(strategy):
         verbose = 0
     with (
         _steps_per_execution(model, steps_per_execution),
-        _expected_end_of_data(config, from_function and num_workers(strategy) > 1),
+        _expected_end_of_data(config, inputs.unknown_length),
         _halt_released(state.update),
     ):
         history: keras.callbacks.History = model.fit(
-            x=x,
-            y=y,
-            batch_size=batch_size,
             epochs=epochs,
             verbose=verbose,
             callbacks=callback_list,
-            validation_split=validation_split,
-            validation_data=validation_data,
-            shuffle=shuffle,
             class_weight=class_weight,
-            sample_weight=sample_weight,
             initial_epoch=initial_epoch,
-            steps_per_epoch=steps_per_epoch,
-            validation_steps=validation_steps,
             validation_batch_size=validation_batch_size,
             validation_freq=validation_freq,
+            **inputs.fit,
         )
     return history
