@@ -12,12 +12,14 @@ then times ``--epochs`` epochs and keeps the fastest; runs of the two loops alte
 the table shows the median over ``--repeats`` runs of each side and the median of the
 per-repeat ratios, so a noisy machine affects both sides alike.
 
-``--calls N`` measures instead the wall time of a whole 2-epoch call (``tfscale.fit`` or
-``model.fit``) on a model that has already been trained once, N calls per side, alternating:
-what a second call costs when the compiled functions are reused (no retrace).
+``--calls N`` measures instead the wall time of a whole call of ``--call-epochs`` epochs
+(default 2; ``tfscale.fit`` or ``model.fit``) on a model that has already been trained once,
+N calls per side, alternating: what a second call costs when the compiled functions are
+reused (no retrace), and, with many short epochs, what an iterator per epoch costs.
 
     python benchmarks/fit_vs_keras.py [--epochs 4] [--repeats 5] [--examples 4096]
-        [--models mlp,cnn] [--devices 1,2] [--steps-per-execution 1,8] [--calls N]
+        [--models mlp,cnn] [--devices 1,2] [--steps-per-execution 1,8]
+        [--calls N [--call-epochs E]]
 """
 
 from __future__ import annotations
@@ -95,18 +97,20 @@ def _measure(runner: str, kind: str, strategy: Any, spe: int, data: Any, epochs:
     return len(x) / min(clock.times[1:])
 
 
-def _call_seconds(kind: str, strategy: Any, spe: int, data: Any, calls: int) -> dict[str, float]:
-    """Median wall seconds of a 2-epoch call on a warm model, for each loop."""
+def _call_seconds(
+    kind: str, strategy: Any, spe: int, data: Any, calls: int, epochs: int
+) -> dict[str, float]:
+    """Median wall seconds of an ``epochs``-epoch call on a warm model, for each loop."""
     x, y = data
     models = {"keras": _model(kind, strategy, spe), "tfscale": _model(kind, strategy, spe)}
 
     def call(runner: str) -> float:
         start = time.perf_counter()
         if runner == "keras":
-            models[runner].fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
+            models[runner].fit(x, y, batch_size=BATCH, epochs=epochs, verbose=0)
         else:
             tfscale.fit(
-                models[runner], x, y, batch_size=BATCH, epochs=2, strategy=strategy, verbose=0
+                models[runner], x, y, batch_size=BATCH, epochs=epochs, strategy=strategy, verbose=0
             )
         return time.perf_counter() - start
 
@@ -123,14 +127,17 @@ def _calls_table(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"a 2-epoch call on a trained model, median of {args.calls} calls")
+    table = Table(
+        title=f"a {args.call_epochs}-epoch call of {args.examples} examples on a trained model, "
+        f"median of {args.calls} calls"
+    )
     for column in ("model", "devices", "all-reduce", "keras fit s", "tfscale.fit s", "ratio"):
         table.add_column(column, justify="right")
     strategies = _strategies(args.devices)  # once: see tensorflow/tensorflow#62790
     for kind in args.models.split(","):
         data = _data(kind, args.examples)
         for replicas, reduction, strategy in strategies:
-            seconds = _call_seconds(kind, strategy, 1, data, args.calls)
+            seconds = _call_seconds(kind, strategy, 1, data, args.calls, args.call_epochs)
             ratio = seconds["tfscale"] / seconds["keras"]
             row = (kind, str(replicas), reduction)
             cells = (f"{seconds['keras']:.3f}", f"{seconds['tfscale']:.3f}", f"{ratio:.2f}x")
@@ -165,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", type=_ints, default=[1, 2])
     parser.add_argument("--steps-per-execution", type=_ints, default=[1, 8])
     parser.add_argument("--calls", type=int, default=0)
+    parser.add_argument("--call-epochs", type=int, default=2)
     args = parser.parse_args(argv)
     if args.calls:
         return _calls_table(args)
