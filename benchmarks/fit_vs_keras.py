@@ -39,6 +39,7 @@ import keras
 import tensorflow as tf
 
 import tfscale
+from tfscale.profiling.callback import EpochClock
 from tfscale.workloads import build_model, synthetic_classification, synthetic_images
 
 BATCH = 64
@@ -61,22 +62,9 @@ def _model(kind: str, strategy: tf.distribute.Strategy, spe: int) -> keras.Model
     return model
 
 
-class _EpochClock(keras.callbacks.Callback):
-    def __init__(self) -> None:
-        super().__init__()
-        self.times: list[float] = []
-        self._start = 0.0
-
-    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-        self._start = time.perf_counter()
-
-    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        self.times.append(time.perf_counter() - self._start)
-
-
 def _measure(runner: str, kind: str, strategy: Any, spe: int, data: Any, epochs: int) -> float:
     model = _model(kind, strategy, spe)
-    clock = _EpochClock()
+    clock = EpochClock()
     x, y = data
     if runner == "keras":
         model.fit(x, y, batch_size=BATCH, epochs=epochs + 1, callbacks=[clock], verbose=0)

@@ -19,7 +19,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -33,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfscale
+from tfscale.profiling.callback import EpochClock
 
 SEQUENCE, EXAMPLES = 20, 8192
 
@@ -75,19 +75,6 @@ def _model(strategy: tf.distribute.Strategy, rows: int, dim: int) -> keras.Model
     return model
 
 
-class _EpochClock(keras.callbacks.Callback):
-    def __init__(self) -> None:
-        super().__init__()
-        self.times: list[float] = []
-        self._start = 0.0
-
-    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-        self._start = time.perf_counter()
-
-    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        self.times.append(time.perf_counter() - self._start)
-
-
 def _run(runner: str, strategy: Any, args: argparse.Namespace, batch: int) -> tuple[float, int]:
     """Examples/s of the fastest timed epoch, and the all-reduce bytes of one step."""
     rng = np.random.default_rng(1)
@@ -95,7 +82,7 @@ def _run(runner: str, strategy: Any, args: argparse.Namespace, batch: int) -> tu
     y = rng.normal(size=(EXAMPLES, 1)).astype("float32")
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True)
     model = _model(strategy, args.rows, args.dim)
-    clock, seen = _EpochClock(), []
+    clock, seen = EpochClock(), []
     fit = {"epochs": args.epochs + 1, "callbacks": [clock], "verbose": 0}
     with _counted(seen):
         if runner == "keras":

@@ -14,9 +14,7 @@ from pathlib import Path
 import pytest
 
 from tfscale.cli.main import main
-from tfscale.testing import run_python
-
-from .helpers import alive
+from tfscale.testing import alive, run_python
 
 _ROOT = Path(__file__).resolve().parents[2]
 _SLEEPER = str(Path(__file__).parent / "data" / "sleeper.py")

@@ -10,8 +10,7 @@ from pathlib import Path
 
 from tfscale.launch.process import spawn_process
 from tfscale.launch.supervisor import Supervisor, Task
-
-from .helpers import alive
+from tfscale.testing import alive
 
 
 def _wait_dead(pids: list[int], timeout: float = 10.0) -> list[int]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from typing import Any
 
 __all__ = ["register", "run"]
@@ -58,26 +57,6 @@ def _doctor_summary() -> None:
             print(f"  [{result.status}] {result.name}: {result.message}")
 
 
-class _Clock:
-    """Times the epochs after the first (which includes tracing) as Keras callbacks see them."""
-
-    def __init__(self) -> None:
-        import keras
-
-        clock = self
-
-        class _Callback(keras.callbacks.Callback):
-            def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-                clock.start = time.perf_counter()
-
-            def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-                clock.epochs.append(time.perf_counter() - clock.start)
-
-        self.start = 0.0
-        self.epochs: list[float] = []
-        self.callback = _Callback()
-
-
 def run(args: argparse.Namespace) -> int:
     """Runs the demo; returns 0 when the test accuracy reaches 0.9."""
     _configure_devices()
@@ -92,7 +71,9 @@ def run(args: argparse.Namespace) -> int:
     with choice.strategy.scope():
         model = build_model(args.model, learning_rate=3e-3)
     batch = args.batch_size - args.batch_size % choice.num_replicas or choice.num_replicas
-    clock = _Clock()
+    from tfscale.profiling.callback import EpochClock
+
+    clock = EpochClock()
     history = fit(
         model,
         data.x_train,
@@ -100,11 +81,11 @@ def run(args: argparse.Namespace) -> int:
         batch_size=batch,
         epochs=args.epochs,
         validation_data=(data.x_test, data.y_test),
-        callbacks=[clock.callback],
+        callbacks=[clock],
         strategy=choice.strategy,
     )
     accuracy = history.history["val_accuracy"][-1]
-    steady = clock.epochs[1:] or clock.epochs
+    steady = clock.times[1:] or clock.times
     rate = len(data.x_train) * len(steady) / sum(steady)
     print(
         f"test accuracy {accuracy:.3f} on {len(data.x_test)} held-out digits "

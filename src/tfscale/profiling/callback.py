@@ -22,7 +22,22 @@ from tfscale.profiling.metrics import shares
 from tfscale.profiling.steptime import Breakdown
 from tfscale.profiling.timeline import STEP_MARKER, find_xplane, read_xplane, trace_breakdown
 
-__all__ = ["ProfileCallback"]
+__all__ = ["EpochClock", "ProfileCallback"]
+
+
+class EpochClock(keras.callbacks.Callback):  # type: ignore[misc]
+    """Wall seconds of each epoch as callbacks see it (``times``; the first includes tracing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self._start = time.perf_counter()
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self.times.append(time.perf_counter() - self._start)
 
 
 class ProfileCallback(keras.callbacks.Callback):  # type: ignore[misc]
