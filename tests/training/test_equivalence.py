@@ -3,11 +3,13 @@ per update. Weights are compared after 5 updates against a hand-written single-d
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import tensorflow as tf
 
 import tfscale
-from tfscale.testing import relative_difference
+from tfscale.testing import relative_difference, run_python
 from tfscale.training import Trainer
 from tfscale.training.allreduce import buckets
 from tfscale.training.prepare import prepared
@@ -15,6 +17,7 @@ from tfscale.training.prepare import prepared
 from .helpers import DATA, batches, reference_weights, strategy_for, tiny_model
 
 STEPS, BATCH = 5, 32
+TESTS = Path(__file__).resolve().parents[1]
 _REFERENCES: dict[tuple[str, int], list[object]] = {}
 
 
@@ -202,3 +205,30 @@ def test_unknown_gradient_compression_is_refused() -> None:
         tfscale.fit(
             tiny_model(strategy), *DATA, gradient_compression="int8", strategy=strategy, verbose=0
         )
+
+
+def test_several_steps_per_call_under_mirroreds_default_collective_all_reduce() -> None:
+    """Keras's own fit fails there with steps_per_execution > 1 ("You must feed a value for
+    placeholder tensor"); in a fresh process, because a second collective MirroredStrategy
+    in one process fails (tensorflow/tensorflow#62790)."""
+    result = run_python(
+        """
+        import sys
+        sys.path.insert(0, sys.argv[1])
+        import tensorflow as tf, tfscale
+        from tfscale.testing import relative_difference
+        from training.helpers import DATA, batches, reference_weights, tiny_model
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])  # collective ops
+        x, y = DATA
+        model = tiny_model(strategy, "adam")
+        tfscale.fit(model, batches(x, y, 32), steps_per_epoch=5, steps_per_execution=3,
+                    strategy=strategy, verbose=0)
+        expected = reference_weights(x, y, batch=32, steps=5, optimizer="adam")
+        print("difference", relative_difference(model.get_weights(), expected))
+        """,
+        virtual_devices=2,
+        args=[str(TESTS)],
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert float(result.stdout.split("difference")[-1]) <= 1e-5

@@ -46,7 +46,12 @@ for name in ("sgd", "adam"):
     weights.update({f"{name}_{i}": w for i, w in enumerate(model.get_weights())})
 
 # Bucketed and bf16-compressed all-reduces across the workers (collectives over gRPC).
-variants = {"bucketed": {"bucket_bytes": 64}, "bf16": {"gradient_compression": "bf16"}}
+variants = {
+    "bucketed": {"bucket_bytes": 64},
+    "bf16": {"gradient_compression": "bf16"},
+    # Several steps per call: the step's collectives inside the call's while loop.
+    "spe3": {"steps_per_execution": 3},
+}
 for name, options in variants.items():
     model = tiny_model(strategy, "adam")
     data = batches(x, y, 32)
@@ -183,6 +188,8 @@ def test_two_workers_equal_mirrored_over_two_cpus(tmp_path: Path) -> None:
                 assert relative_difference(by_model_fit, mirrored) <= 1e-5, "model.fit"
                 bucketed = [worker[f"bucketed_{i}"] for i in range(len(mirrored))]
                 assert relative_difference(bucketed, mirrored) <= 1e-5, "bucketed"
+                several = [worker[f"spe3_{i}"] for i in range(len(mirrored))]
+                assert relative_difference(several, mirrored) <= 1e-5, "steps_per_execution"
                 compressed = [worker[f"bf16_{i}"] for i in range(len(mirrored))]
                 assert 0.0 < relative_difference(compressed, mirrored) <= 2e-2, "bf16"
     # The progress bar: printed by the chief (worker 0) only.

@@ -134,16 +134,12 @@ class StepFunction:
         # ExactSteps: Keras's own function runs whole executions past steps_per_epoch).
         self.limit: int | None = None
         self._metric_keys: set[str] | None = None
-        # On one worker a step is its own function, so that the first step and the loop's
-        # steps share one trace (as Keras's one_step_on_data does). Under
-        # MultiWorkerMirroredStrategy a function holding collectives fails when called inside
-        # a cond ("You must feed a value for placeholder tensor 'cond/.../Placeholder'"), so
-        # there the step is traced inline.
-        self._step = (
-            tf.function(self._one_step, autograph=False, reduce_retracing=True)
-            if self.single_worker
-            else self._one_step
-        )
+        # A step called in straight-line code is its own function (as Keras's
+        # one_step_on_data is). Inside a cond or a while loop it is traced inline: a function
+        # holding collective all-reduces (MultiWorkerMirrored, and Mirrored's default on
+        # CPUs) fails when called there ("You must feed a value for placeholder tensor
+        # 'cond/.../Placeholder'", the failure of Keras's own steps_per_execution > 1 there).
+        self._step = tf.function(self._one_step, autograph=False, reduce_retracing=True)
         self._multi = tf.function(self._multi_step, autograph=False, reduce_retracing=True)
         self._on_batches = tf.function(
             self._steps_on_batches, autograph=False, reduce_retracing=True
@@ -205,7 +201,7 @@ class StepFunction:
         shapes: list[Any] = []
 
         def run_first() -> tuple[tf.Tensor, Any]:
-            outputs = self._step(first.get_value())
+            outputs = self._one_step(first.get_value())
             shapes.append(tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), outputs))
             return tf.constant(1), outputs
 
@@ -224,7 +220,7 @@ class StepFunction:
                 optional = iterator.get_next_as_optional()
                 return tf.cond(
                     optional.has_value(),
-                    lambda: (count + 1, tf.constant(True), self._step(optional.get_value())),
+                    lambda: (count + 1, tf.constant(True), self._one_step(optional.get_value())),
                     lambda: (count, tf.constant(False), last),
                 )
 
