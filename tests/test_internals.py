@@ -224,6 +224,10 @@ def test_array_input_and_validation_split() -> None:
     assert len(train_x) == 8 and list(held_y) == [8, 9]  # the last part validates
 
 
+def test_lists_to_tuples() -> None:
+    assert internals.lists_to_tuples(([1, [2, 3]], {"a": [4]})) == ((1, (2, 3)), {"a": (4,)})
+
+
 def test_epoch_iterator_dataset_and_per_replica_specs() -> None:
     from keras.src.backend.tensorflow.trainer import TFEpochIterator
 

@@ -39,6 +39,7 @@ __all__ = [
     "inbound_nodes",
     "is_array_input",
     "keras_loss_module",
+    "lists_to_tuples",
     "model_strategy",
     "node_key",
     "optimizer_trainable_variables",
@@ -140,6 +141,13 @@ def is_array_input(x: Any, y: Any, sample_weight: Any) -> bool:
     from keras.src.trainers.data_adapters.array_data_adapter import can_convert_arrays
 
     return bool(can_convert_arrays((x, y, sample_weight)))
+
+
+def lists_to_tuples(structure: Any) -> Any:
+    """``keras.src.tree.lists_to_tuples``: how Keras's array adapter hands nested inputs on."""
+    from keras.src import tree
+
+    return tree.lists_to_tuples(structure)
 
 
 def train_validation_split(arrays: Any, validation_split: float) -> tuple[Any, Any]:

@@ -130,7 +130,9 @@ class EpochOrder:
         seed: int,
     ) -> None:
         x, y, sample_weight = arrays
-        parts = tuple(p for p in (x, y, sample_weight) if p is not None)
+        # Lists become tuples, as Keras's array adapter makes them: tf.data would stack a
+        # list of arrays into one tensor.
+        parts = internals.lists_to_tuples(tuple(p for p in (x, y, sample_weight) if p is not None))
         tensors = tf.nest.map_structure(tf.convert_to_tensor, parts)
         count = int(tf.shape(tf.nest.flatten(tensors)[0])[0])
         batch = 32 if batch_size is None else int(batch_size)
@@ -153,14 +155,26 @@ class EpochOrder:
         )
         dataset = tf.data.Dataset.zip((order, tf.data.Dataset.from_tensors(tensors).repeat()))
         dataset = dataset.map(gather, num_parallel_calls=tf.data.AUTOTUNE)
-        # flat_map hides the length; Keras counts steps from it.
-        total = len(epochs) * self.steps_per_epoch
-        dataset = dataset.apply(tf.data.experimental.assert_cardinality(total))
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = (
             tf.data.experimental.AutoShardPolicy.DATA
         )
+        # (flat_map leaves its length unknown, as Keras's loop over all epochs needs:
+        # see _length_hidden.)
         self.dataset = dataset.with_options(options).prefetch(tf.data.AUTOTUNE)
+
+
+def _length_hidden(dataset: tf.data.Dataset) -> tf.data.Dataset:
+    """The dataset with an unknown length, for Keras's loop over all epochs.
+
+    With ``steps_per_epoch`` set, Keras counts the steps it has run in whole executions and
+    stops an epoch early once that count passes the dataset's length (with
+    ``steps_per_execution`` not dividing the epoch, the last epoch loses steps), then makes a
+    spare iterator; with the length unknown it runs ``steps_per_epoch`` steps every epoch.
+    """
+    if int(dataset.cardinality()) == int(tf.data.UNKNOWN_CARDINALITY):
+        return dataset
+    return dataset.filter(lambda *_: True)
 
 
 @dataclass
@@ -169,8 +183,8 @@ class KerasInputs:
 
     Attributes:
         fit: Keyword arguments for ``model.fit``'s data (``x, y, sample_weight, batch_size,
-            shuffle, steps_per_epoch, validation_split, validation_data,
-            validation_steps``).
+            shuffle, steps_per_epoch, validation_split, validation_data, validation_steps,
+            validation_batch_size``).
         order: The arrays' :class:`EpochOrder`, when ``fit`` batches them itself.
         unknown_length: A multi-worker ``dataset_fn`` whose length is hidden (its epochs
             end when every worker agrees the data has ended).
@@ -199,6 +213,7 @@ def plan_inputs(
     validation_split: float,
     validation_data: Any,
     validation_steps: int | None,
+    validation_batch_size: int | None,
     epochs: range,
     seed: int,
     strategy: tf.distribute.Strategy,
@@ -226,6 +241,7 @@ def plan_inputs(
         "validation_split": validation_split,
         "validation_data": validation_data,
         "validation_steps": validation_steps,
+        "validation_batch_size": validation_batch_size,
     }
     order = None
     several = len(epochs) > 1 and steps_per_epoch is None
@@ -240,12 +256,14 @@ def plan_inputs(
         fit.update(
             x=order.dataset, y=None, sample_weight=None, batch_size=None, shuffle=False,
             steps_per_epoch=order.steps_per_epoch, validation_split=0.0,
+            # Keras batches validation arrays with batch_size when this is None.
+            validation_batch_size=validation_batch_size or batch_size,
         )  # fmt: skip
     elif isinstance(x, tf.data.Dataset):
         fit["shuffle"] = False  # Keras ignores it for datasets, and warns on every call
         length = _finite_length(x)
         if several and length is not None:
-            fit.update(x=x.repeat(len(epochs)), steps_per_epoch=length)
+            fit.update(x=_length_hidden(x.repeat(len(epochs))), steps_per_epoch=length)
         fit["x"] = _sharded(fit["x"], strategy)
     unknown_length = is_dataset_fn(x) and num_workers(strategy) > 1
     if is_dataset_fn(x):

@@ -312,6 +312,7 @@ def fit(
         validation_split=validation_split,
         validation_data=validation_data,
         validation_steps=validation_steps,
+        validation_batch_size=validation_batch_size,
         epochs=range(first_epoch, epochs),
         seed=seed,
         strategy=strategy,
@@ -342,7 +343,6 @@ def fit(
             callbacks=callback_list,
             class_weight=class_weight,
             initial_epoch=initial_epoch,
-            validation_batch_size=validation_batch_size,
             validation_freq=validation_freq,
             **inputs.fit,
         )
