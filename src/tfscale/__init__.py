@@ -89,7 +89,21 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-if os.environ.get("TFSCALE_VIRTUAL_DEVICES"):
-    from tfscale.devices import apply_env_virtual_devices
+# TensorFlow is configured when it is imported (tfscale/tf_import.py), not by importing
+# tfscale: quiet in a process a tfscale command started quietly, and split into the logical
+# devices TFSCALE_VIRTUAL_DEVICES asks for (checked now, applied before TensorFlow starts).
+from tfscale import tf_import as _tf_import  # noqa: E402
 
-    apply_env_virtual_devices()
+if os.environ.get("TFSCALE_VIRTUAL_DEVICES"):
+    from tfscale.virtual_devices import env_request as _env_request
+
+    _env_request()  # a bad value fails here, at import tfscale
+
+    def _apply_virtual_devices() -> None:
+        from tfscale.devices import apply_env_virtual_devices
+
+        apply_env_virtual_devices()
+
+    _tf_import.on_import(_apply_virtual_devices)
+else:
+    _tf_import.on_import()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import tensorflow as tf
 
 from tfscale.errors import DeviceConfigError, explain
+from tfscale.virtual_devices import ENV_VAR, check_request, env_request
 
 __all__ = [
     "DeviceInfo",
@@ -22,10 +23,6 @@ __all__ = [
     "logical_device_names",
     "use_virtual_devices",
 ]
-
-_KINDS = ("CPU", "GPU")
-ENV_VAR = "TFSCALE_VIRTUAL_DEVICES"
-ENV_KIND_VAR = "TFSCALE_VIRTUAL_DEVICE_KIND"
 
 
 @dataclass(frozen=True)
@@ -126,46 +123,6 @@ def logical_device_names(kind: str = "CPU") -> list[str]:
     return [d.name for d in tf.config.list_logical_devices(kind)]
 
 
-# Logical devices share their physical device's cores (or memory): past a few per core they
-# only add per-replica overhead, and hundreds make a two-step fit run for minutes.
-MAX_VIRTUAL_DEVICES = 64
-
-
-def _check_request(n: object, kind: object, memory_limit_mb: object) -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_VIRTUAL_DEVICES:
-        raise DeviceConfigError(
-            explain(
-                f"The number of virtual devices must be an integer from 1 to "
-                f"{MAX_VIRTUAL_DEVICES}.",
-                received=f"n={n!r}",
-                allowed=f"an int in 1..{MAX_VIRTUAL_DEVICES} (this machine has "
-                f"{os.cpu_count()} CPU cores; 2-8 logical devices are what tests and demos use)",
-                fix="tfscale.use_virtual_devices(2) (or TFSCALE_VIRTUAL_DEVICES=2) splits the "
-                "CPU into 2 logical devices.",
-            )
-        )
-    if kind not in _KINDS:
-        raise DeviceConfigError(
-            explain(
-                "Unknown device kind for virtual devices.",
-                received=kind,
-                allowed=" or ".join(_KINDS),
-            )
-        )
-    if memory_limit_mb is not None and (
-        isinstance(memory_limit_mb, bool)
-        or not isinstance(memory_limit_mb, int)
-        or memory_limit_mb < 1
-    ):
-        raise DeviceConfigError(
-            explain(
-                "memory_limit_mb must be a positive integer number of MiB.",
-                received=memory_limit_mb,
-                allowed="None (CPU) or an int >= 1",
-            )
-        )
-
-
 def use_virtual_devices(n: int, kind: str = "CPU", memory_limit_mb: int | None = None) -> list[str]:
     """Splits the first physical device of ``kind`` into ``n`` logical devices.
 
@@ -185,7 +142,7 @@ def use_virtual_devices(n: int, kind: str = "CPU", memory_limit_mb: int | None =
         DeviceConfigError: ``n`` < 1, an unknown or absent kind, no GPU memory limit can
             be derived, or the runtime has already started with another configuration.
     """
-    _check_request(n, kind, memory_limit_mb)
+    check_request(n, kind, memory_limit_mb)
     physical = tf.config.list_physical_devices(kind)
     if not physical:
         present = sorted({d.device_type for d in tf.config.list_physical_devices()})
@@ -244,22 +201,10 @@ def apply_env_virtual_devices() -> list[str] | None:
         The logical device names, or None when the variable is unset or empty.
 
     Raises:
-        DeviceConfigError: The variable is not a positive integer, or see
+        DeviceConfigError: The variable is not an integer from 1 to 64, or see
             :func:`use_virtual_devices`.
     """
-    raw = os.environ.get(ENV_VAR, "").strip()
-    if not raw:
+    request = env_request()
+    if request is None:
         return None
-    try:
-        n = int(raw)
-    except ValueError:
-        raise DeviceConfigError(
-            explain(
-                f"{ENV_VAR} must be a positive integer.",
-                received=f"{ENV_VAR}={raw!r}",
-                allowed="an integer >= 1",
-                fix=f"export {ENV_VAR}=2",
-            )
-        ) from None
-    kind = os.environ.get(ENV_KIND_VAR, "CPU").strip().upper() or "CPU"
-    return use_virtual_devices(n, kind)
+    return use_virtual_devices(*request)

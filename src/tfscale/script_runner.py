@@ -152,7 +152,8 @@ def split_cpu_when_alone() -> DeviceLayout:
     """
     import tensorflow as tf
 
-    from tfscale.devices import ENV_VAR, use_virtual_devices
+    from tfscale.devices import use_virtual_devices
+    from tfscale.virtual_devices import ENV_VAR
 
     requested = os.environ.get(ENV_VAR, "").strip()
     gpus = len(tf.config.list_physical_devices("GPU"))

@@ -204,6 +204,12 @@ CASES: dict[str, Case] = {
         "warn",
         "TensorFlow sees 4 GPUs but choose_strategy would pick OneDeviceStrategy",
     ),
+    "strategy/cpu-only-machine": (
+        checks.check_strategy,
+        fakes.zero_gpus,
+        "ok",
+        "export TFSCALE_VIRTUAL_DEVICES=2",
+    ),
     "strategy/broken-tf-config": (
         checks.check_strategy,
         fakes.broken_tf_config,

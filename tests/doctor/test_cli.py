@@ -20,8 +20,12 @@ _DOCTOR = "import sys; from tfscale.cli.main import main; sys.exit(main(sys.argv
 
 
 def test_doctor_json_in_a_fresh_process() -> None:
-    result = run_python(_DOCTOR, args=["doctor", "--json"], timeout=120)
+    # TF_CPP_MIN_LOG_LEVEL unset, as for a user: TensorFlow's start-up chatter stays off.
+    result = run_python(
+        _DOCTOR, args=["doctor", "--json"], env={"TF_CPP_MIN_LOG_LEVEL": ""}, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stderr == "", result.stderr[-2000:]
     document = json.loads(result.stdout)
     snapshot = Snapshot.from_dict(document["snapshot"])
     assert snapshot.tensorflow_version

@@ -22,6 +22,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
+from tfscale.chatter import is_chatter
 from tfscale.testing import mirrored_on_cpus, relative_difference
 
 _ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +45,8 @@ class _Job:
 
 
 def _start(name: str, args: list[str], out_dir: Path, **extra_env: str) -> _Job:
-    env = dict(os.environ, PYTHONPATH=str(_ROOT / "src"), TF_CPP_MIN_LOG_LEVEL="3", **extra_env)
+    env = dict(os.environ, PYTHONPATH=str(_ROOT / "src"), **extra_env)
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # as for a user: the workers' chatter is dropped
     env.pop("TF_CONFIG", None)
     env.pop("TFSCALE_VIRTUAL_DEVICES", None)
     process = subprocess.Popen(
@@ -172,6 +174,8 @@ def test_two_workers_equal_mirrored_over_two_logical_cpus(
     job = jobs["plain"]
     assert job.process.returncode == 0, job.stderr[-3000:]
     assert "[worker 0] MultiWorkerMirrored with 2 replicas: done" in job.stdout
+    lines = (job.stdout + job.stderr).splitlines()
+    assert not [line for line in lines if is_chatter(line) or "oneDNN" in line]
     assert "[worker 1] MultiWorkerMirrored with 2 replicas: done" in job.stdout
     mirrored = mirrored_on_cpus(2)
     # With a checkpoint folder as the job has: the same per-epoch order of the shuffled arrays.

@@ -6,6 +6,7 @@ import json
 import textwrap
 from pathlib import Path
 
+from tfscale.chatter import is_chatter
 from tfscale.testing import run_python
 
 _SCRIPT = textwrap.dedent(
@@ -43,8 +44,16 @@ def test_bench_and_profile_commands_write_reports(tmp_path: Path) -> None:
                     "sub/train.py", "2"])
     sys.exit(bench * 10 + profile)
     """
-    done = run_python(code, env={"TFSCALE_VIRTUAL_DEVICES": "2"}, timeout=240, cwd=str(tmp_path))
+    done = run_python(
+        code,
+        env={"TFSCALE_VIRTUAL_DEVICES": "2", "TF_CPP_MIN_LOG_LEVEL": ""},
+        timeout=240,
+        cwd=str(tmp_path),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
+    # As for a user: no TensorFlow start-up chatter, from bench or from profile's child.
+    lines = (done.stdout + done.stderr).splitlines()
+    assert not [line for line in lines if is_chatter(line) or "oneDNN" in line]
     bench = json.loads((tmp_path / "bench" / "report.json").read_text())
     modes = {(p["mode"], p["replicas"]) for p in bench["points"]}
     assert modes == {("weak", 1), ("weak", 2), ("strong", 1), ("strong", 2)}

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from collections.abc import Sequence
 
-from tfscale import __version__
+from tfscale import __version__, chatter, tf_import
 from tfscale.errors import TfscaleError
 
 __all__ = ["build_parser", "main"]
@@ -33,6 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Use every device TensorFlow can see, and find out why it does not.",
     )
     parser.add_argument("--version", action="version", version=f"tfscale {__version__}")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="keep TensorFlow's start-up messages (oneDNN, CPU features, absl), in this "
+        "process and the ones it starts; setting TF_CPP_MIN_LOG_LEVEL yourself does too",
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _SUBCOMMANDS:
         module = importlib.import_module(f"tfscale.cli.{name}")
@@ -42,11 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the process exit status."""
-    # TensorFlow's C++ start-up chatter (oneDNN, CPU features) buries the command's own
-    # output; users who want it set TF_CPP_MIN_LOG_LEVEL themselves.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     parser = build_parser()
     args = parser.parse_args(argv)
+    # TensorFlow's start-up chatter (oneDNN, CPU features) buries the command's own output.
+    chatter.decide(verbose=bool(args.verbose))
+    tf_import.on_import()
     if not getattr(args, "handler", None):
         parser.print_help()
         return 2

@@ -362,6 +362,13 @@ def check_strategy(snapshot: Snapshot) -> CheckResult:
             f"TensorFlow sees {gpus} GPUs but choose_strategy {summary}{reasons}",
             "pass devices=None to tfscale.choose_strategy, or see its reasons",
         )
+    if gpus == 0 and choice.replicas == 1:
+        # Nothing is wrong, but a CPU-only machine can still run multi-device code.
+        return _ok(
+            name,
+            f"choose_strategy {summary}{reasons}. To try multi-device training on this CPU: "
+            "export TFSCALE_VIRTUAL_DEVICES=2 (2 logical CPU devices, MirroredStrategy)",
+        )
     return _ok(name, f"choose_strategy {summary}{reasons}")
 
 

@@ -11,6 +11,8 @@ import sys
 import threading
 from typing import IO
 
+from tfscale import chatter
+
 __all__ = ["start_prefixing"]
 
 _WRITE_LOCK = threading.Lock()
@@ -39,10 +41,13 @@ def start_prefixing(stream: IO[bytes], prefix: str, sink: IO[str] | None) -> thr
 
 def _copy_lines(stream: IO[bytes], prefix: str, sink: IO[str] | None) -> None:
     writable = True
+    drop_chatter = chatter.quiet()  # TensorFlow's start-up lines of the child, unless asked
     for raw in iter(stream.readline, b""):
         if not writable:
             continue  # keep draining: a child blocked on a full pipe would hang
         line = raw.decode("utf-8", errors="replace").rstrip("\n")
+        if drop_chatter and chatter.is_chatter(line):
+            continue
         out = sink if sink is not None else sys.stdout
         try:
             with _WRITE_LOCK:
