@@ -21,7 +21,7 @@ import os
 import runpy
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -165,11 +165,17 @@ def split_cpu_when_alone() -> DeviceLayout:
     return DeviceLayout(str(CPU_SPLIT), True, 0)
 
 
-def run_as_main(path: str, argv: Sequence[str]) -> int:
+def run_as_main(
+    path: str,
+    argv: Sequence[str],
+    on_error: Callable[[BaseException], None] | None = None,
+) -> int:
     """Runs the script as ``python path argv...`` would; returns its exit status.
 
     An exception the script does not catch is printed with its traceback (status 1), so
-    the caller can still write what it observed.
+    the caller can still write what it observed. ``on_error`` sees it first: raising
+    ``SystemExit`` there ends the run with that status instead (an explained failure,
+    without the traceback).
     """
     sys.argv = [path, *argv]
     sys.path[0] = os.path.dirname(os.path.abspath(path))
@@ -180,7 +186,12 @@ def run_as_main(path: str, argv: Sequence[str]) -> int:
             return int(stop.code or 0)
         print(stop.code, file=sys.stderr)
         return 1
-    except BaseException:
+    except BaseException as error:
+        if on_error is not None:
+            try:
+                on_error(error)
+            except SystemExit as stop:
+                return int(stop.code) if isinstance(stop.code, int) else 1
         traceback.print_exc()
         return 1
     return 0

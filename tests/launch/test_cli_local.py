@@ -106,7 +106,7 @@ def test_port_in_use_is_named(capsys: pytest.CaptureFixture[str]) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        status = main(["launch", "-n", "2", "--port", str(port), "train.py"])
+        status = main(["launch", "-n", "2", "--port", str(port), _SLEEPER])
     err = capsys.readouterr().err
     assert status == 2
     assert f"Port {port} on 127.0.0.1 is already in use" in err and "--port" in err
@@ -130,3 +130,35 @@ def test_slurm_with_ps_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
 def test_missing_script_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["launch", "-n", "2"]) == 2
     assert "needs a script" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--slurm", "--k8s", "--image", "me/train:1"], "--slurm and --k8s"),
+        (["--print-sbatch"], "--print-sbatch writes a Slurm batch script"),
+        (["-n", "2", "--port", "70000"], "--port is not a TCP port"),
+        (["-n", "0"], "-n is invalid"),
+        (["-n", "2", "--max-restarts", "-1"], "--max-restarts is invalid"),
+    ],
+)
+def test_contradictory_or_impossible_options_are_refused_before_anything_starts(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["launch", *args, _SLEEPER]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Received:" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("what", ["missing", "folder"])
+def test_a_missing_script_or_a_folder_is_refused_not_restarted(
+    what: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / ("train.py" if what == "missing" else "data")
+    if what == "folder":
+        path.mkdir()
+    assert main(["launch", "-n", "2", "--max-restarts", "3", str(path)]) == 2
+    err = capsys.readouterr().err
+    expected = "does not exist" if what == "missing" else "is a folder without __main__.py"
+    assert expected in err and str(path) in err
+    assert "attempt" not in err  # nothing was started

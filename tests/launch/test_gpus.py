@@ -69,7 +69,7 @@ def test_plan_gives_each_worker_its_gpus_and_declares_kinds() -> None:
     assert {t.env["TFSCALE_WORKER_DEVICE_KINDS"] for t in tasks} == {"GPU"}
     assert {t.env["TFSCALE_VIRTUAL_DEVICES"] for t in tasks} == {"2"}
     assert {t.env["TFSCALE_LAUNCH_ATTEMPT"] for t in tasks} == {"1"}
-    assert [t.argv for t in tasks] == [("py", "t.py")] * 2
+    assert [t.argv for t in tasks] == [("py", "-m", "tfscale.launch.worker", "t.py")] * 2
     assert json.loads(tasks[1].env["TF_CONFIG"]) == {
         "cluster": {"worker": ["127.0.0.1:5000", "127.0.0.1:5001"]},
         "task": {"type": "worker", "index": 1},

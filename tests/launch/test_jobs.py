@@ -28,6 +28,12 @@ from tfscale.testing import mirrored_on_cpus, relative_difference
 _ROOT = Path(__file__).resolve().parents[2]
 _DATA = Path(__file__).parent / "data"
 _TIMEOUT = 420.0
+# Seed scripts a user brings unchanged, and what the job's last line must say for each.
+_SEEDS = {
+    "seed000_mirrored": "its script built MirroredStrategy over this worker's devices only",
+    "seed001_keras_fit": "Keras's model.fit fails under MultiWorkerMirroredStrategy",
+    "seed003_op_first": "Collective ops must be configured at program startup",
+}
 
 
 @dataclass
@@ -90,7 +96,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Job]]:
     root = tmp_path_factory.mktemp("jobs")
     script = str(_DATA / "mwms_train.py")
     started: dict[str, _Job] = {}
-    for name in ("plain", "crash", "ps", "keras"):
+    for name in ("plain", "crash", "ps", "keras", *_SEEDS):
         (root / name).mkdir()
     plain, crash, ps = root / "plain", root / "crash", root / "ps"
     started["plain"] = _start(
@@ -140,6 +146,9 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Job]]:
     started["keras"] = _start(
         "keras", ["-n", "2", keras_fit, "--out", str(root / "keras" / "w.npz")], root / "keras"
     )
+    for seed in _SEEDS:  # unchanged seed scripts: each must fail, saying why
+        script_path = str(_DATA / f"{seed}.py")
+        started[seed] = _start(seed, ["-n", "2", "--max-restarts", "2", script_path], root / seed)
     started["ps"] = _start(
         "ps", ["--ps", "1", "-n", "2", str(_DATA / "ps_train.py"), str(ps / "result.json")], ps
     )
@@ -240,3 +249,19 @@ def test_parameter_server_cluster_trains_to_a_lower_loss(jobs: dict[str, _Job]) 
     for label in ("worker 0", "worker 1", "ps 0"):
         assert f"[{label}] serving {label}" in job.stdout
     assert len(job.pids) == 4 and _groups_alive(job.pids) == []
+
+
+@pytest.mark.parametrize("seed", sorted(_SEEDS))
+def test_unchanged_seed_scripts_never_exit_0_and_the_last_line_says_why(
+    jobs: dict[str, _Job], seed: str
+) -> None:
+    job = jobs[seed]
+    assert job.process.returncode == 78, job.stderr[-3000:]
+    last = job.stderr.strip().splitlines()[-1]
+    assert "did not train with the others" in last and _SEEDS[seed] in last, last
+    assert "Fix:" in last
+    if seed == "seed001_keras_fit":
+        assert "tfscale.prepare(model)" in last
+    assert "Traceback" not in job.stdout + job.stderr
+    assert "restarting the job" not in job.stderr  # the same script would do the same again
+    assert _groups_alive(job.pids) == []

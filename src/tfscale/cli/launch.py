@@ -15,6 +15,7 @@ import argparse
 import os
 import signal
 import sys
+import tempfile
 from types import FrameType
 from typing import Any
 
@@ -127,8 +128,55 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(handler=run)
 
 
+def _refuse(problem: str, received: str, allowed: str, fix: str) -> None:
+    raise LaunchError(explain(problem, received=received, allowed=allowed, fix=fix))
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Refuses contradictory or impossible options before anything starts.
+
+    Raises:
+        LaunchError: The first problem found, naming the options.
+    """
+    if args.slurm and args.k8s:
+        _refuse(
+            "--slurm and --k8s choose two different ways to run the job.",
+            "--slurm --k8s",
+            "one of them",
+            "run inside a Slurm allocation with --slurm, or write a TFJob with --k8s.",
+        )
+    if args.print_sbatch and not args.slurm:
+        _refuse(
+            "--print-sbatch writes a Slurm batch script; without --slurm it would start a "
+            "local job instead.",
+            "--print-sbatch without --slurm",
+            "--slurm --print-sbatch",
+            "tfscale launch --slurm --print-sbatch --nodes 2 train.py > job.sbatch",
+        )
+    if args.port is not None and not 1 <= args.port <= 65535:
+        _refuse("--port is not a TCP port.", f"--port {args.port}", "1..65535", "--port 29500")
+
+
+def check_script_path(path: str) -> None:
+    """Refuses a script that is missing or a folder, before any worker (or restart) starts.
+
+    Raises:
+        LaunchError: The path names no file Python can run.
+    """
+    runnable = os.path.isfile(path) or os.path.isfile(os.path.join(path, "__main__.py"))
+    if not runnable:
+        what = "is a folder without __main__.py" if os.path.isdir(path) else "does not exist"
+        _refuse(
+            f"The script {what}, so every worker would fail at once.",
+            path,
+            "a Python file (or a folder with __main__.py)",
+            f"check the path; the working directory is {os.getcwd()}",
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs the job the options describe; returns the job's exit status."""
+    check_options(args)
     script = (args.script, *args.script_args) if args.script else ()
     if args.k8s:
         return _write_tfjob(args, script)
@@ -144,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
                 )
             )
         return _slurm(args, script)
+    if script:
+        check_script_path(script[0])
     if not script:
         raise LaunchError(
             explain(
@@ -159,6 +209,12 @@ def run(args: argparse.Namespace) -> int:
 def _local(args: argparse.Namespace, script: tuple[str, ...]) -> int:
     from tfscale.launch.local import run_local_job
     from tfscale.launch.plan import LocalJob
+    from tfscale.launch.together import (
+        NOT_TOGETHER_STATUS,
+        REPORT_ENV,
+        final_line,
+        read_verdicts,
+    )
 
     workers = 2 if args.workers is None else args.workers
     job = LocalJob(
@@ -169,17 +225,26 @@ def _local(args: argparse.Namespace, script: tuple[str, ...]) -> int:
         gpus_per_worker=args.gpus_per_worker,
     )
     previous = _sigterm_as_interrupt()
-    try:
-        result = run_local_job(
-            job,
-            port_base=args.port,
-            max_restarts=args.max_restarts,
-            grace_s=args.grace,
-            timeout_s=args.timeout,
-        )
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+    with tempfile.TemporaryDirectory(prefix="tfscale-launch-") as reports:
+        # Where workers that would train alone leave why (launch/together.py).
+        env = dict(os.environ, **{REPORT_ENV: reports})
+        try:
+            result = run_local_job(
+                job,
+                port_base=args.port,
+                max_restarts=args.max_restarts,
+                grace_s=args.grace,
+                timeout_s=args.timeout,
+                base_env=env,
+            )
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+        verdicts = read_verdicts(reports)
+    if verdicts:
+        # The job's last line: it never exits 0 when its workers did not train together.
+        print(f"[tfscale launch] {final_line(verdicts)}", file=sys.stderr, flush=True)
+        return result.exit_code or NOT_TOGETHER_STATUS
     return result.exit_code
 
 

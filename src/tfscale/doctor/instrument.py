@@ -27,7 +27,6 @@ ran.
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import sys
@@ -35,8 +34,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from tfscale.internals import DEFAULT_STRATEGY_CLASS
 from tfscale.script_runner import CPU_SPLIT, run_as_main, split_cpu_when_alone
+from tfscale.strategy_hooks import watch_strategies
 
 __all__ = ["DEMO_VIRTUAL_DEVICES", "main"]
 
@@ -66,10 +65,6 @@ def _configure_devices(log: _EventLog) -> None:
     )
 
 
-def _defining_class(cls: type, attribute: str) -> type:
-    return next(c for c in cls.__mro__ if attribute in vars(c))
-
-
 def _strategy_fields(strategy: Any) -> dict[str, Any]:
     from tfscale.scope import short_device
 
@@ -90,45 +85,33 @@ def _strategy_fields(strategy: Any) -> dict[str, Any]:
 
 
 def _hook_strategies(log: _EventLog) -> None:
-    """Wraps Strategy.__init__ and Strategy.run to record strategies and replica devices."""
+    """Records the strategies the script builds and the devices each replica ran on."""
     import tensorflow as tf
 
     from tfscale.scope import creation_stack, short_device
 
-    init_owner = _defining_class(tf.distribute.Strategy, "__init__")
-    run_owner = _defining_class(tf.distribute.Strategy, "run")
-    original_init: Callable[..., None] = init_owner.__init__  # type: ignore[misc]
-    original_run: Callable[..., Any] = run_owner.run  # type: ignore[attr-defined]
     seen_runs: set[tuple[int, tuple[str, ...]]] = set()
 
-    @functools.wraps(original_init)
-    def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        original_init(self, *args, **kwargs)
-        # TensorFlow makes a default (no-op) strategy per thread on demand: not the user's.
-        if type(self).__name__ != DEFAULT_STRATEGY_CLASS:
-            log.write("strategy", stack=list(creation_stack()), **_strategy_fields(self))
+    def built(strategy: Any) -> None:
+        log.write("strategy", stack=list(creation_stack()), **_strategy_fields(strategy))
 
-    @functools.wraps(original_run)
-    def run(self: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        outputs = original_run(self, fn, *args, **kwargs)
+    def ran(strategy: Any, outputs: Any) -> None:
         try:
             devices = tuple(
                 next(
                     (short_device(str(t.device)) for t in tf.nest.flatten(local) if _has_device(t)),
                     "",
                 )
-                for local in self.experimental_local_results(outputs)
+                for local in strategy.experimental_local_results(outputs)
             )
         except Exception:  # never let the instrumentation break the user's step
-            return outputs
-        if (id(self), devices) not in seen_runs:
-            seen_runs.add((id(self), devices))
-            fields = _strategy_fields(self)
+            return
+        if (id(strategy), devices) not in seen_runs:
+            seen_runs.add((id(strategy), devices))
+            fields = _strategy_fields(strategy)
             log.write("run", stack=list(creation_stack()), replica_devices=list(devices), **fields)
-        return outputs
 
-    init_owner.__init__ = init  # type: ignore[misc]
-    run_owner.run = run  # type: ignore[attr-defined]
+    watch_strategies(built, ran)
 
 
 def _has_device(value: Any) -> bool:

@@ -15,6 +15,7 @@ from tfscale.launch.plan import LocalJob, plan_tasks
 from tfscale.launch.ports import check_ports, free_ports
 from tfscale.launch.process import spawn_process
 from tfscale.launch.supervisor import JobResult, Supervisor, Task, WorkerHandle
+from tfscale.launch.together import NOT_TOGETHER_STATUS
 
 __all__ = ["log_path", "run_local_job"]
 
@@ -70,7 +71,8 @@ def run_local_job(
         with open(log_path(output_dir, task.label), "ab") as output:
             return spawn_process(task, log=output, grace_s=grace_s)
 
-    supervisor = Supervisor(spawn, grace_s=grace_s, log=log)
+    # A worker that would not train with the others (launch/worker.py) does the same again.
+    supervisor = Supervisor(spawn, grace_s=grace_s, log=log, final_statuses=(NOT_TOGETHER_STATUS,))
     return supervisor.run(make_tasks, max_restarts=max_restarts, timeout_s=timeout_s)
 
 

@@ -19,12 +19,14 @@ from dataclasses import dataclass
 
 from tfscale.cluster import DEVICE_KINDS_ENV, SOURCE_ENV, TFConfigSource, tf_config
 from tfscale.launch.supervisor import Task
+from tfscale.launch.together import LABEL_ENV
 
-__all__ = ["ATTEMPT_ENV", "SERVER_MODULE", "LocalJob", "plan_tasks"]
+__all__ = ["ATTEMPT_ENV", "SERVER_MODULE", "WORKER_MODULE", "LocalJob", "plan_tasks"]
 
 #: Set in every task: the attempt number (0 first, 1 after the first restart, ...).
 ATTEMPT_ENV = "TFSCALE_LAUNCH_ATTEMPT"
 SERVER_MODULE = "tfscale.launch.server"
+WORKER_MODULE = "tfscale.launch.worker"
 _VIRTUAL_DEVICES_ENV = "TFSCALE_VIRTUAL_DEVICES"
 
 
@@ -96,7 +98,9 @@ def plan_tasks(
             base[DEVICE_KINDS_ENV] = ",".join("GPU" if g else "CPU" for g in per_worker)
     no_gpu = "" if any(g is not None for g in per_worker) else None
     addresses = [f"{job.host}:{port}" for port in ports]
-    script = (job.python, *job.script)
+    # The script runs through the strict worker runner: a worker that would train alone
+    # stops the job and says why (launch/worker.py).
+    script = (job.python, "-m", WORKER_MODULE, *job.script)
     server = (job.python, "-m", SERVER_MODULE)
     if not job.ps:
         return [
@@ -130,6 +134,7 @@ def _task(
     cuda_visible_devices: str | None,
 ) -> Task:
     env = dict(base)
+    env[LABEL_ENV] = label
     env["TF_CONFIG"] = config
     if cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices

@@ -23,6 +23,8 @@ from tfscale.cluster import (
 )
 from tfscale.errors import LaunchError, explain
 from tfscale.launch.gpus import assign_gpus, visible_gpus
+from tfscale.launch.plan import WORKER_MODULE
+from tfscale.launch.together import LABEL_ENV
 from tfscale.processes import replace_process
 
 __all__ = ["DEFAULT_SLURM_PORT", "exec_slurm_task", "sbatch_script", "slurm_task_env"]
@@ -71,9 +73,12 @@ def exec_slurm_task(
     port_base: int = DEFAULT_SLURM_PORT,
     python: str = sys.executable,
 ) -> NoReturn:
-    """Replaces this process with ``python script...`` running with its ``TF_CONFIG``."""
+    """Replaces this process with ``python script...`` running with its ``TF_CONFIG``,
+    through the strict worker runner (``launch/worker.py``): a worker that would train alone
+    exits with status 78 and says why, and ``srun --kill-on-bad-exit`` stops the others."""
     task_env = slurm_task_env(env, port_base=port_base)
-    replace_process([python, *script], task_env)
+    task_env.setdefault(LABEL_ENV, f"Slurm task {task_env.get('SLURM_PROCID', '?')}")
+    replace_process([python, "-m", WORKER_MODULE, *script], task_env)
 
 
 def sbatch_script(

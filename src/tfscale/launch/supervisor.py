@@ -154,6 +154,8 @@ class Supervisor:
             to stderr as ``[tfscale launch] ...``.
         sleep: Waits between polls (a fake clock in tests).
         clock: Seconds from a monotonic clock, for the job's time limit.
+        final_statuses: Exit statuses after which a restart would only do the same again
+            (a worker that would not train with the others): the job fails at once.
     """
 
     def __init__(
@@ -165,7 +167,9 @@ class Supervisor:
         log: Callable[[str], None] | None = None,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
+        final_statuses: Sequence[int] = (),
     ) -> None:
+        self._final = frozenset(final_statuses)
         self._spawn = spawn
         self._grace_s = grace_s
         self._poll_interval_s = poll_interval_s
@@ -205,7 +209,7 @@ class Supervisor:
             if failure is None:
                 return JobResult(0, attempt + 1, tuple(failures))
             failures.append(failure)
-            if failure.timed_out:
+            if failure.timed_out or failure.returncode in self._final:
                 break
             if attempt < max_restarts:
                 self._log(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -84,6 +85,10 @@ def _fallback(error: Exception, decision: Decision, facts: StrategyFacts) -> Str
     )
 
 
+#: "1" makes every choose_strategy() strict (set in the workers tfscale launch starts).
+STRICT_ENV = "TFSCALE_STRICT_STRATEGY"
+
+
 def choose_strategy(
     devices: Sequence[str] | None = None,
     *,
@@ -98,7 +103,9 @@ def choose_strategy(
         devices: Restrict replicas to these device names, e.g. ``["GPU:0", "GPU:1"]``
             (None: every device).
         strict: Raise :class:`tfscale.StrategyError` when building the chosen strategy
-            fails, instead of falling back to one device with a warning.
+            fails, instead of falling back to one device with a warning. Always on in the
+            workers ``tfscale launch`` starts (``TFSCALE_STRICT_STRATEGY=1``): a worker that
+            falls back trains alone.
         memory_growth: Turn on GPU memory growth first (needs a runtime not yet started).
 
     In a cluster, construction waits for every worker to start, at most
@@ -115,6 +122,7 @@ def choose_strategy(
         StrategyError: Building failed and ``strict=True``, the fallback failed too, or
             ``TFSCALE_WORKER_START_TIMEOUT`` is not a positive number.
     """
+    strict = strict or os.environ.get(STRICT_ENV) == "1"
     # A malformed TF_CONFIG is the user's to fix, never a fallback: raise before touching GPUs.
     cluster_from_env()
     growth = enable_memory_growth(memory_growth)

@@ -1,0 +1,56 @@
+"""Watching the strategies a user's script builds and runs, from outside the script.
+
+``doctor --script`` records them; the workers ``tfscale launch`` starts check them. Both wrap
+``tf.distribute.Strategy.__init__`` and ``run`` where TensorFlow defines them, once per
+process, and leave out the default (no-op) strategy TensorFlow makes per thread on demand.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from tfscale.internals import DEFAULT_STRATEGY_CLASS
+
+__all__ = ["watch_strategies"]
+
+Built = Callable[[Any], None]
+Ran = Callable[[Any, Any], None]
+
+
+def _defining_class(cls: type, attribute: str) -> type:
+    return next(c for c in cls.__mro__ if attribute in vars(c))
+
+
+def watch_strategies(built: Built | None = None, ran: Ran | None = None) -> None:
+    """Calls ``built(strategy)`` after each strategy is constructed and ``ran(strategy,
+    outputs)`` after each ``strategy.run``.
+
+    A callback may raise (``SystemExit`` ends the script there); an exception inside
+    ``ran`` other than that is the callback's to handle: the step's outputs come first.
+    """
+    import tensorflow as tf
+
+    init_owner = _defining_class(tf.distribute.Strategy, "__init__")
+    run_owner = _defining_class(tf.distribute.Strategy, "run")
+    original_init: Callable[..., None] = init_owner.__init__  # type: ignore[misc]
+    original_run: Callable[..., Any] = run_owner.run  # type: ignore[attr-defined]
+
+    @functools.wraps(original_init)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        if built is not None and type(self).__name__ != DEFAULT_STRATEGY_CLASS:
+            built(self)
+
+    @functools.wraps(original_run)
+    def run(self: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        outputs = original_run(self, fn, *args, **kwargs)
+        if ran is not None:
+            ran(self, outputs)
+        return outputs
+
+    if built is not None:
+        init_owner.__init__ = init  # type: ignore[misc]
+    if ran is not None:
+        run_owner.run = run  # type: ignore[attr-defined]
