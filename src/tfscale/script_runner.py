@@ -170,17 +170,31 @@ def run_as_main(
     argv: Sequence[str],
     on_error: Callable[[BaseException], None] | None = None,
 ) -> int:
-    """Runs the script as ``python path argv...`` would; returns its exit status.
+    """Runs the script as ``python path argv...`` would (``path`` ``"-m"``: the module named
+    by ``argv[0]``, as ``python -m``); returns its exit status.
 
     An exception the script does not catch is printed with its traceback (status 1), so
     the caller can still write what it observed. ``on_error`` sees it first: raising
     ``SystemExit`` there ends the run with that status instead (an explained failure,
     without the traceback).
     """
-    sys.argv = [path, *argv]
-    sys.path[0] = os.path.dirname(os.path.abspath(path))
+    if path == "-m":
+        # ``-m module args``, as ``python -m`` takes it (tfscale's own workers run this way).
+        if not argv:
+            print("-m needs a module name", file=sys.stderr)
+            return 2
+        module, argv = argv[0], argv[1:]
+        sys.argv = [module, *argv]
+        sys.path[0] = os.getcwd()
+        run: Callable[[], object] = lambda: runpy.run_module(  # noqa: E731
+            module, run_name="__main__", alter_sys=True
+        )
+    else:
+        sys.argv = [path, *argv]
+        sys.path[0] = os.path.dirname(os.path.abspath(path))
+        run = lambda: runpy.run_path(path, run_name="__main__")  # noqa: E731
     try:
-        runpy.run_path(path, run_name="__main__")
+        run()
     except SystemExit as stop:
         if stop.code is None or isinstance(stop.code, int):
             return int(stop.code or 0)

@@ -1,7 +1,8 @@
 """The process that runs the user's script in each script task of ``tfscale launch``.
 
-``python -m tfscale.launch.worker SCRIPT ARGS...`` runs the script as ``python SCRIPT ARGS``
-would (``script_runner.run_as_main``), made strict (``launch/together.py``):
+``python -m tfscale.launch.worker SCRIPT ARGS...`` (or ``-m MODULE ARGS...``) runs the script
+as ``python SCRIPT ARGS`` would (``script_runner.run_as_main``), made strict
+(``launch/together.py``):
 
 - ``tfscale.choose_strategy`` raises instead of falling back to one device
   (``TFSCALE_STRICT_STRATEGY``), e.g. when the script ran a TensorFlow op before it;
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     """Runs ``SCRIPT ARGS...`` as a strict worker; returns its exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
-        print("usage: python -m tfscale.launch.worker SCRIPT [ARGS...]", file=sys.stderr)
+        print("usage: python -m tfscale.launch.worker SCRIPT|-m MODULE [ARGS...]", file=sys.stderr)
         return 2
     os.environ[STRICT_ENV] = "1"
     from tfscale.script_runner import run_as_main
