@@ -102,6 +102,7 @@ def run_in_child(
     timeout: float | None = None,
     stdout: IO[Any] | None = None,
     stderr: IO[Any] | None = None,
+    env: dict[str, str] | None = None,
 ) -> ScriptRun:
     """Runs ``python -m module args`` (a child module that ends in :func:`run_as_main`).
 
@@ -111,13 +112,16 @@ def run_in_child(
         timeout: Seconds before the child and its process group are killed (None: no limit).
         stdout: Where the child's stdout goes (None: inherited).
         stderr: Where the child's stderr goes (None: inherited).
+        env: Variables set in the child's environment over this process's.
 
     Returns:
         The child's exit status, or ``timed_out``.
     """
     sys.stdout.flush()
     argv = [sys.executable, "-m", module, *args]
-    with start(argv, env=child_environment(), stdout=stdout, stderr=stderr) as child:
+    with start(
+        argv, env={**child_environment(), **(env or {})}, stdout=stdout, stderr=stderr
+    ) as child:
         status = child.wait(timeout)
         if status is None:
             # SIGKILL, not SIGTERM: what the child wrote so far (flushed line by line) is the

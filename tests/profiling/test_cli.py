@@ -6,6 +6,8 @@ import json
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from tfscale.chatter import is_chatter
 from tfscale.testing import run_python
 
@@ -27,6 +29,30 @@ _SCRIPT = textwrap.dedent(
     """
 )
 
+# The README's path: tfscale.fit on arrays, the batch only in the call, no strategy named.
+_TFSCALE_FIT_SCRIPT = textwrap.dedent(
+    """
+    import keras, numpy as np
+    import tfscale
+    model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, activation="relu"),
+                              keras.layers.Dense(10)])
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((1024, 32)).astype("float32"), rng.integers(0, 10, 1024)
+    tfscale.fit(model, x, y, batch_size=48, epochs=2, verbose=0)
+    """
+)
+
+_CRASHING_SCRIPT = textwrap.dedent(
+    """
+    import keras, numpy as np
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    model.fit(np.zeros((320, 4), "float32"), np.zeros((320, 1), "float32"), verbose=0)
+    raise SystemExit(3)
+    """
+)
+
 
 def test_bench_and_profile_commands_write_reports(tmp_path: Path) -> None:
     # `tfscale profile sub/train.py` runs the script as `python sub/train.py` would (and as
@@ -35,6 +61,8 @@ def test_bench_and_profile_commands_write_reports(tmp_path: Path) -> None:
     script = tmp_path / "sub" / "train.py"
     script.write_text(_SCRIPT)
     (tmp_path / "sub" / "neighbour.py").write_text("WIDTH = 64\n")
+    (tmp_path / "tfit.py").write_text(_TFSCALE_FIT_SCRIPT)
+    (tmp_path / "crash.py").write_text(_CRASHING_SCRIPT)
     code = f"""
     import sys
     from tfscale.cli.main import main
@@ -42,7 +70,9 @@ def test_bench_and_profile_commands_write_reports(tmp_path: Path) -> None:
                   "--warmup", "2", "--trace-steps", "2", "--out", {str(tmp_path / "bench")!r}])
     profile = main(["profile", "--out", {str(tmp_path / "profile")!r}, "--trace-steps", "4,8",
                     "sub/train.py", "2"])
-    sys.exit(bench * 10 + profile)
+    tfit = main(["profile", "--out", {str(tmp_path / "tfit")!r}, "tfit.py"])
+    crash = main(["profile", "--out", {str(tmp_path / "crash")!r}, "crash.py"])
+    sys.exit(bench * 1000 + profile * 100 + tfit * 10 + crash)
     """
     done = run_python(
         code,
@@ -50,7 +80,8 @@ def test_bench_and_profile_commands_write_reports(tmp_path: Path) -> None:
         timeout=240,
         cwd=str(tmp_path),
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    # The crashing script's own status (3) is the command's: the report does not hide it.
+    assert done.returncode == 3, done.stderr[-3000:]
     # As for a user: no TensorFlow start-up chatter, from bench or from profile's child.
     lines = (done.stdout + done.stderr).splitlines()
     assert not [line for line in lines if is_chatter(line) or "oneDNN" in line]
@@ -62,8 +93,45 @@ def test_bench_and_profile_commands_write_reports(tmp_path: Path) -> None:
     assert bench["collectives"][0]["busbw"] == bench["collectives"][0]["algbw"]  # 2 ranks
     assert "Report:" in done.stdout and (tmp_path / "bench" / "report.html").exists()
     profiled = json.loads((tmp_path / "profile" / "report.json").read_text())
-    (point,) = profiled["points"]
+    # model.fit over the script's 2 devices, compared with the same script on 1 replica
+    # (its MirroredStrategy placed on one device) at the same global batch.
+    one, point = profiled["points"]
+    assert (one["replicas"], one["global_batch"], one["speedup"]) == (1, 64, 1.0)
     assert point["mode"] == "script" and point["replicas"] == 2 and point["global_batch"] == 64
+    assert point["examples_per_s"] > 0 and one["examples_per_s"] > 0
+    assert point["speedup"] == point["examples_per_s"] / one["examples_per_s"]
+    assert profiled["settings"] == {"fit_calls": 1, "exit_status": 0, "reference_exit_status": 0}
     # Mirrored over 2 devices: the trace sees the all-reduce and the input fetch.
     assert point["method"] == "trace" and point["trace_shares"]["compute"] > 0
     assert point["trace_shares"]["communication"] + point["trace_shares"]["input"] > 0
+    # tfscale.fit (its strategy chosen over the 2 logical devices the runner split the CPU
+    # into): the batch it was called with, non-zero examples/s, and the comparison.
+    tfit = json.loads((tmp_path / "tfit" / "report.json").read_text())
+    one, two = tfit["points"]
+    assert (one["replicas"], two["replicas"]) == (1, 2)
+    assert one["global_batch"] == two["global_batch"] == 48
+    assert one["examples_per_s"] > 0 and two["examples_per_s"] > 0
+    assert two["method"] == "trace" and 0 < two["speedup"] == pytest.approx(
+        two["examples_per_s"] / one["examples_per_s"]
+    )
+    assert any("Compared with the same script on 1 replica" in n for n in tfit["notes"])
+    # A script that exits 3 after training: status 3 recorded, its steps still reported.
+    crash = json.loads((tmp_path / "crash" / "report.json").read_text())
+    assert crash["settings"]["exit_status"] == 3
+    assert any("exited with status 3" in n for n in crash["notes"])
+
+
+@pytest.mark.parametrize(
+    "window", ["10,5", "abc", "-1,4", "5;10"], ids=["reversed", "text", "negative", "separator"]
+)
+def test_profile_refuses_a_trace_window_it_cannot_use_before_running(
+    window: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tfscale.cli.main import main
+
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('the script must not run')\n")
+    assert main(["profile", f"--trace-steps={window}", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tfscale: ProfileError: --trace-steps is a window")
+    assert f"Received: {window}" in err and "Traceback" not in err

@@ -26,36 +26,77 @@ def register(subparsers: Any) -> None:
         help="global steps to trace (default 5,10; 0,0 for none)",
     )
     parser.add_argument(
+        "--no-compare",
+        dest="compare",
+        action="store_false",
+        help="skip the second run of the script on 1 replica (the speedup comparison)",
+    )
+    parser.add_argument(
         "--timeout",
         type=float,
         default=None,
         metavar="SECONDS",
-        help="stop the script after this long (default: no limit)",
+        help="stop each run of the script after this long (default: no limit)",
     )
     parser.add_argument("script", help="the Python training script")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     parser.set_defaults(handler=run)
 
 
+def trace_window(text: str) -> tuple[int, int]:
+    """``FIRST,STOP`` (or ``FIRST`` alone: no window) as two step numbers.
+
+    Raises:
+        ProfileError: Not two whole numbers, negative, or a window that ends before it starts.
+    """
+    from tfscale.errors import ProfileError, explain
+
+    first, _, stop = text.partition(",")
+    try:
+        window = (int(first), int(stop or first))
+    except ValueError:
+        window = (-1, -1)
+    if min(window) < 0 or window[1] < window[0]:
+        raise ProfileError(
+            explain(
+                "--trace-steps is a window of global steps, FIRST,STOP with STOP after FIRST.",
+                received=text,
+                allowed="two whole numbers 0 <= FIRST <= STOP (0,0: no trace)",
+                fix="--trace-steps 5,10",
+            )
+        )
+    return window
+
+
 def run(args: argparse.Namespace) -> int:
-    """Runs the script in a child process, then builds and prints the report."""
+    """Runs the script in a child process (and again on 1 replica), then builds and prints
+    the report."""
     import json
     import os
     import tempfile
 
+    from rich.console import Console
+
     from tfscale.errors import ProfileError, explain
     from tfscale.profiling.report import print_summary, write_report
-    from tfscale.profiling.script import script_report
+    from tfscale.profiling.script import ONE_REPLICA_ENV, script_report
     from tfscale.script_runner import check_script, run_in_child
 
+    first, stop = trace_window(args.trace_steps)
+    if args.timeout is not None and args.timeout <= 0:
+        raise ProfileError(
+            explain("--timeout must be positive.", received=args.timeout, fix="--timeout 600")
+        )
     script = check_script(args.script, command="tfscale profile", error=ProfileError)
-    first, _, stop = args.trace_steps.partition(",")
-    with tempfile.TemporaryDirectory(prefix="tfscale-profile-") as scratch:
-        out_json = os.path.join(scratch, "steps.json")
+    console = Console(stderr=True)
+
+    def measure(scratch: str, name: str, env: dict[str, str]) -> tuple[dict[str, Any], int]:
+        out_json = os.path.join(scratch, name)
         ran = run_in_child(
             "tfscale.profiling.script",
-            [out_json, first, stop or first, script, *args.args],
+            [out_json, str(first), str(stop), script, *args.args],
             timeout=args.timeout,
+            env=env,
         )
         if ran.timed_out:
             raise ProfileError(
@@ -74,8 +115,19 @@ def run(args: argparse.Namespace) -> int:
                 )
             )
         with open(out_json) as handle:
-            data = json.load(handle)
-    report = script_report(data, script)
+            return json.load(handle), int(ran.status or 0)
+
+    with tempfile.TemporaryDirectory(prefix="tfscale-profile-") as scratch:
+        with console.status(f"profiling {script} on its devices"):
+            data, status = measure(scratch, "steps.json", {})
+        fits = [f for f in data.get("fits", []) if f["steps_measured"]]
+        reference = None
+        if args.compare and status == 0 and fits and max(f["replicas"] for f in fits) > 1:
+            with console.status(f"profiling {script} on 1 replica, for the comparison"):
+                reference, _ = measure(scratch, "one.json", {ONE_REPLICA_ENV: "1"})
+    report = script_report(data, script, reference)
     write_report(report, args.out)
     print_summary(report, args.out)
-    return 0 if ran.status == 0 else int(ran.status or 1)
+    for note in report.notes[2:]:
+        console.print(note)
+    return status

@@ -13,6 +13,7 @@ import functools
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from tfscale.internals import dataset_batch_size
@@ -21,14 +22,25 @@ from tfscale.script_runner import run_as_main, split_cpu_when_alone
 __all__ = ["batch_size_of", "main", "run_script", "script_report"]
 
 
+#: Set in the environment of the reference run: the script on one replica.
+ONE_REPLICA_ENV = "TFSCALE_PROFILE_ONE_REPLICA"
+
+
 def batch_size_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
-    """The global batch of a ``fit`` call: its ``batch_size``, or a dataset's static batch."""
+    """The global batch of a ``fit`` call (``model.fit``'s or ``tfscale.fit``'s arguments
+    after the model): its ``batch_size``, Keras's default 32 for arrays, or a dataset's
+    static batch (None where it cannot be known before the first step)."""
     if kwargs.get("batch_size"):
         return int(kwargs["batch_size"])
-    data = args[0] if args else kwargs.get("x")
+    data = args[0] if args else kwargs.get("x", kwargs.get("data"))
     spec = getattr(data, "element_spec", None)
     if spec is None:
-        return 32 if data is not None and hasattr(data, "shape") else None
+        if data is None:
+            return None
+        first = next(iter(data.values()), None) if isinstance(data, dict) else data
+        if isinstance(first, (list, tuple)) and first:
+            first = first[0]
+        return 32 if hasattr(first, "shape") else None
     import tensorflow as tf
 
     first = tf.nest.flatten(spec)[0]
@@ -38,33 +50,93 @@ def batch_size_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
     return int(dim) if dim is not None else None
 
 
+def _one_replica() -> None:
+    """The reference run's layout: one device (the first GPU, or the whole CPU), and every
+    ``MirroredStrategy`` the script builds placed on it, whatever devices it names."""
+    from tfscale.virtual_devices import ENV_KIND_VAR, ENV_VAR
+
+    os.environ[ENV_VAR] = "1"  # before TensorFlow starts: one CPU device
+    os.environ.pop(ENV_KIND_VAR, None)
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        tf.config.set_visible_devices(gpus[:1], "GPU")
+    original = tf.distribute.MirroredStrategy.__init__
+
+    @functools.wraps(original)
+    def init(self: Any, devices: Any = None, cross_device_ops: Any = None) -> None:
+        original(self, devices=None, cross_device_ops=cross_device_ops)
+
+    tf.distribute.MirroredStrategy.__init__ = init
+
+
+def _hook_fits(make: Callable[[int | None], Any]) -> Callable[[], None]:
+    """Adds ``make(batch)`` to the callbacks of every ``keras.Model.fit`` and ``tfscale.fit``
+    call (one per call: a ``model.fit`` inside ``tfscale.fit`` gets none of its own, the
+    outer call knows the batch the user asked for). Returns the undo."""
+    import keras
+
+    import tfscale
+    import tfscale.training
+
+    inside = [0]
+    keras_fit = keras.Model.fit
+    tfscale_fit = tfscale.training.fit
+
+    @functools.wraps(keras_fit)
+    def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not inside[0]:
+            kwargs["callbacks"] = [
+                *(kwargs.get("callbacks") or []),
+                make(batch_size_of(args, kwargs)),
+            ]
+        return keras_fit(self, *args, **kwargs)
+
+    @functools.wraps(tfscale_fit)
+    def fit_tfscale(model: Any, *args: Any, **kwargs: Any) -> Any:
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), make(batch_size_of(args, kwargs))]
+        inside[0] += 1
+        try:
+            return tfscale_fit(model, *args, **kwargs)
+        finally:
+            inside[0] -= 1
+
+    keras.Model.fit = fit
+    tfscale.fit = tfscale.training.fit = fit_tfscale  # type: ignore[attr-defined]
+
+    def undo() -> None:
+        keras.Model.fit = keras_fit
+        tfscale.fit = tfscale.training.fit = tfscale_fit  # type: ignore[attr-defined]
+
+    return undo
+
+
 def run_script(path: str, argv: list[str], out_json: str, trace_steps: tuple[int, int]) -> int:
-    """Runs ``path`` as ``__main__`` with ``argv``, timing every ``keras.Model.fit`` call.
+    """Runs ``path`` as ``__main__`` with ``argv``, timing every ``keras.Model.fit`` and
+    ``tfscale.fit`` call (on one replica when :data:`ONE_REPLICA_ENV` is set).
 
     Returns:
         The script's exit status.
     """
-    split_cpu_when_alone()
-    import keras
-
+    if os.environ.get(ONE_REPLICA_ENV):
+        _one_replica()
+    else:
+        split_cpu_when_alone()
     from tfscale.profiling.callback import ProfileCallback
 
     callbacks: list[ProfileCallback] = []
-    original = keras.Model.fit
 
-    @functools.wraps(original)
-    def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
-        callback = ProfileCallback(batch_size=batch_size_of(args, kwargs), trace_steps=trace_steps)
-        callbacks.append(callback)
-        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), callback]
-        return original(self, *args, **kwargs)
+    def make(batch: int | None) -> ProfileCallback:
+        callbacks.append(ProfileCallback(batch_size=batch, trace_steps=trace_steps))
+        return callbacks[-1]
 
-    keras.Model.fit = fit
+    undo = _hook_fits(make)
     status = 1
     try:
         status = run_as_main(path, argv)
     finally:
-        keras.Model.fit = original
+        undo()
         import tensorflow as tf
 
         gpus = len(tf.config.list_physical_devices("GPU"))
@@ -79,32 +151,15 @@ def run_script(path: str, argv: list[str], out_json: str, trace_steps: tuple[int
     return status
 
 
-def script_report(data: dict[str, Any], path: str) -> Any:
-    """Builds the same :class:`~tfscale.profiling.report.Report` as ``tfscale bench`` from the
-    JSON :func:`run_script` wrote: one point per ``fit`` call, advice on the longest one.
-
-    Raises:
-        ProfileError: The script called ``model.fit`` no time, or no step was measured.
-    """
-    from tfscale.errors import ProfileError, explain
-    from tfscale.profiling.advice import Facts, advise
-    from tfscale.profiling.report import Report
+def _points(data: dict[str, Any]) -> list[tuple[dict[str, Any], Any]]:
+    """``(fit summary, SweepPoint)`` for each fit call of a run that measured a step."""
     from tfscale.profiling.steptime import Breakdown
     from tfscale.profiling.sweep import SweepPoint
 
-    fits = [f for f in data.get("fits", []) if f["steps_measured"]]
-    if not fits:
-        raise ProfileError(
-            explain(
-                "The script ran no measurable training step (keras.Model.fit was not called, "
-                "or ran fewer steps than the warm-up).",
-                received=f"{path} (exit status {data.get('status')})",
-                allowed="a script that calls model.fit for more than 2 steps",
-                fix="run it for more steps, or use tfscale.ProfileCallback in your own loop.",
-            )
-        )
-    points = []
-    for summary in fits:
+    out = []
+    for summary in data.get("fits", []):
+        if not summary["steps_measured"]:
+            continue
         batch = summary["batch_size"] or 0
         replicas = summary["replicas"]
         b = Breakdown(
@@ -115,34 +170,113 @@ def script_report(data: dict[str, Any], path: str) -> Any:
             batch,
             method=summary["method"],
         )
-        points.append(
-            SweepPoint(
-                "script", replicas, max(batch // replicas, 0), 1, b, trace=summary["trace_shares"]
+        point = SweepPoint(
+            "script", replicas, max(batch // replicas, 0), 1, b, trace=summary["trace_shares"]
+        )
+        out.append((summary, point))
+    return out
+
+
+def _main(points: list[tuple[dict[str, Any], Any]]) -> Any:
+    """The fit call that measured the most steps (the training, not a warm-up fit)."""
+    return max(points, key=lambda fp: fp[0]["steps_measured"])[1]
+
+
+def script_report(data: dict[str, Any], path: str, reference: dict[str, Any] | None = None) -> Any:
+    """Builds the same :class:`~tfscale.profiling.report.Report` as ``tfscale bench`` from the
+    JSON :func:`run_script` wrote: one point per ``fit`` call, advice on the longest one.
+
+    Args:
+        data: The run on the script's own devices.
+        path: The script, as the user named it.
+        reference: The run on one replica (same global batch), or None: its longest fit
+            becomes a 1-replica point and the script's point gets its speedup and
+            efficiency against it.
+
+    Raises:
+        ProfileError: The script called ``fit`` no time, or no step was measured.
+    """
+    import dataclasses
+
+    from tfscale.errors import ProfileError, explain
+    from tfscale.profiling.advice import Facts, advise
+    from tfscale.profiling.report import Report
+
+    fits = _points(data)
+    status = data.get("status")
+    if not fits:
+        raise ProfileError(
+            explain(
+                "The script ran no measurable training step (neither keras.Model.fit nor "
+                "tfscale.fit was called, or they ran fewer steps than the warm-up).",
+                received=f"{path} (exit status {status})",
+                allowed="a script that calls model.fit or tfscale.fit for more than 2 steps",
+                fix="run it for more steps, or use tfscale.ProfileCallback in your own loop.",
             )
         )
+    main_point = _main(fits)
+    notes = [
+        "Profiled script: step time from on_train_batch_begin to on_train_batch_end of "
+        "each fit step (tfscale.fit: its train function's own fetch and step seconds); "
+        "input / compute / exposed communication from a TensorFlow profiler trace of a "
+        "window of steps (trace method), overlaps removed by a sweep.",
+        "Advice that needs a sweep (fewer replicas, batch-size cost model) is computed by "
+        "`tfscale bench`; --verify is not available for scripts.",
+    ]
+    if not main_point.breakdown.examples_per_step:
+        notes.append(
+            "The global batch could not be read from the fit call (a dataset without a "
+            "static batch): examples/s is 0; pass batch_size or batch the dataset."
+        )
+    points = [p for _, p in fits]
+    throughput: dict[int, float] = {main_point.replicas: main_point.examples_per_s}
+    ref_fits = _points(reference) if reference else []
+    if ref_fits and main_point.replicas > 1:
+        ref = _main(ref_fits)
+        throughput[ref.replicas] = ref.examples_per_s
+        speedup = main_point.examples_per_s / ref.examples_per_s if ref.examples_per_s else 0.0
+        compared = dataclasses.replace(
+            main_point, speedup=speedup, efficiency=speedup / main_point.replicas
+        )
+        points = [ref, *(compared if p is main_point else p for p in points)]
+        main_point = compared
+        notes.append(
+            f"Compared with the same script on 1 replica (global batch {ref.global_batch}): "
+            f"{speedup:.2f}x examples/s on {compared.replicas} replicas, scaling efficiency "
+            f"{100 * compared.efficiency:.0f}%."
+        )
+    elif reference is not None and main_point.replicas > 1:
+        notes.append(
+            "The 1-replica run measured no step (exit status "
+            f"{reference.get('status')}): no comparison."
+        )
+    elif main_point.replicas == 1:
+        notes.append(
+            "The script trained on 1 replica: nothing to compare. `tfscale doctor --script` "
+            "says why it did not use more devices."
+        )
+    if status != 0:
+        notes.append(f"The script exited with status {status}; the steps before are reported.")
     device_kind, physical = data.get("device_kind", "CPU"), int(data.get("physical_devices", 1))
-    main_point = max(zip(fits, points, strict=True), key=lambda fp: fp[0]["steps_measured"])[1]
     facts = Facts(
         breakdown=main_point.breakdown,
         replicas=main_point.replicas,
         batch_per_replica=main_point.batch_per_replica,  # 0 when unknown: no batch advice
         device_kind=device_kind,
         physical_devices=physical,
+        throughput_by_replicas=throughput,
     )
+    settings: dict[str, Any] = {"fit_calls": len(fits), "exit_status": status}
+    if reference is not None:
+        settings["reference_exit_status"] = reference.get("status")
     return Report(
         workload=path,
         device_kind=device_kind,
         physical_devices=physical,
-        settings={"fit_calls": len(fits), "exit_status": data.get("status")},
+        settings=settings,
         points=points,
         advice=advise(facts),
-        notes=[
-            "Profiled script: step time from on_train_batch_begin to on_train_batch_end of "
-            "each model.fit step; input / compute / exposed communication from a TensorFlow "
-            "profiler trace of a window of steps (trace method), overlaps removed by a sweep.",
-            "Advice that needs a sweep (fewer replicas, batch-size cost model) is computed by "
-            "`tfscale bench`; --verify is not available for scripts.",
-        ],
+        notes=notes,
     )
 
 
