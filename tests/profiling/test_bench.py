@@ -114,3 +114,60 @@ def test_workers_need_an_importable_model_and_report_a_failing_worker() -> None:
     with pytest.raises(ProfileError, match=r"Worker [01] of 2 exited") as raised:
         profile("tfscale_no_such_module:build", workers=2, progress=False, timeout_s=120)
     assert "could not be imported" in str(raised.value)
+
+
+def _one_hot_classifier() -> Any:
+    import keras
+
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    model.compile("sgd", "categorical_crossentropy")  # one-hot labels; bench gives integers
+    return model
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--replicas", "99"], "99 replicas cannot be measured on"),
+        (["--steps", "0"], "steps must be a whole number >= 1"),
+        (["--steps", "-3"], "steps must be a whole number >= 1"),
+        (["--workers", "0"], "workers must be a whole number >= 1"),
+        (["--workers", "40"], "40 worker processes cannot be measured"),
+        (["--batch-per-replica", "0"], "batch_per_replica must be a whole number >= 1"),
+        (["--warmup", "-1"], "warmup must be a whole number >= 0"),
+        (["--model", "tests.profiling.test_bench:_one_hot_classifier"], "loss cannot take"),
+    ],
+    ids=[
+        "replicas-99",
+        "steps-0",
+        "steps-negative",
+        "workers-0",
+        "workers-40",
+        "batch-0",
+        "warmup-negative",
+        "one-hot-loss",
+    ],
+)
+def test_bench_refuses_what_it_cannot_measure_before_measuring(
+    argv: list[str], says: str, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tfscale.cli.main import main
+
+    out = tmp_path / "report"
+    assert main(["bench", *argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tfscale: ProfileError: ") and says in err, err
+    assert "Received: " in err and "Fix: " in err and "Traceback" not in err
+    assert not out.exists()  # refused before any measurement: no report of zeros
+    if "one-hot" in says or "loss" in says:
+        assert "SparseCategoricalCrossentropy" in err and "target.shape=(2,)" in err
+
+
+def test_replica_limit_follows_the_physical_devices() -> None:
+    from tfscale.errors import ProfileError
+    from tfscale.profiling.sweep import check_replicas, replica_limit
+
+    assert [replica_limit("CPU", n) for n in (1, 2, 8, 200)] == [4, 4, 8, 64]
+    assert replica_limit("GPU", 8) == 8
+    check_replicas(4, "CPU", 2)  # the default sweep 1,2,4 on a 2-core machine
+    with pytest.raises(ProfileError, match=r"9 replicas cannot be measured on 8 GPU\(s\)"):
+        check_replicas(9, "GPU", 8)

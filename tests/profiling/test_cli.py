@@ -85,6 +85,10 @@ def test_bench_and_profile_commands_write_reports(tmp_path: Path) -> None:
     # As for a user: no TensorFlow start-up chatter, from bench or from profile's child.
     lines = (done.stdout + done.stderr).splitlines()
     assert not [line for line in lines if is_chatter(line) or "oneDNN" in line]
+    # bench says what it measured as it goes, one line per configuration (no terminal here:
+    # the progress bar is not drawn, the lines are).
+    assert "Measuring mlp on CPU" in done.stderr
+    assert "weak scaling, 2 replica(s), batch 64/replica, accumulation 1:" in done.stderr
     bench = json.loads((tmp_path / "bench" / "report.json").read_text())
     modes = {(p["mode"], p["replicas"]) for p in bench["points"]}
     assert modes == {("weak", 1), ("weak", 2), ("strong", 1), ("strong", 2)}

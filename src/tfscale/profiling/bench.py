@@ -9,9 +9,11 @@ with ``verify=True``, applies the top applicable advice and measures what it rea
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
+from tfscale.errors import ProfileError, explain
 from tfscale.profiling import metrics
 from tfscale.profiling.advice import Advice, Facts, advise, fit_batch_cost
 from tfscale.profiling.agree import agree_points
@@ -84,6 +86,16 @@ def profile(
     Raises:
         ProfileError: Devices cannot be set up, or the model cannot be measured.
     """
+    check_settings(
+        replicas=replicas,
+        batch_per_replica=batch_per_replica,
+        accumulation=accumulation,
+        steps=steps,
+        warmup=warmup,
+        trace_steps=trace_steps,
+        workers=workers,
+        timeout_s=timeout_s,
+    )
     settings: dict[str, Any] = {
         "batch_per_replica": batch_per_replica,
         "accumulation": list(accumulation),
@@ -120,6 +132,75 @@ def profile(
     if out:
         write_report(report, out)
     return report
+
+
+def check_settings(
+    *,
+    replicas: Sequence[int],
+    batch_per_replica: int,
+    accumulation: Sequence[int],
+    steps: int,
+    warmup: int,
+    trace_steps: int,
+    workers: int,
+    timeout_s: float,
+) -> None:
+    """Refuses, before any device is set up, a setting the sweep cannot measure.
+
+    The replica count against the devices is checked where they are known
+    (:func:`~tfscale.profiling.sweep.check_replicas`); the worker count here, against this
+    host's cores or GPUs (each worker one process and one replica).
+
+    Raises:
+        ProfileError: Naming the setting, what was received and what is allowed.
+    """
+
+    def refuse(what: str, received: object, allowed: str, fix: str) -> NoReturn:
+        raise ProfileError(explain(what, received=received, allowed=allowed, fix=fix))
+
+    for name, value, least in (
+        ("steps", steps, 1),
+        ("batch_per_replica", batch_per_replica, 1),
+        ("warmup", warmup, 0),
+        ("trace_steps", trace_steps, 0),
+        ("workers", workers, 1),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            refuse(
+                f"{name} must be a whole number >= {least}"
+                + (
+                    ": with no measured step there is nothing to report."
+                    if name == "steps"
+                    else "."
+                ),
+                value,
+                f"{least} or more",
+                f"--{name.replace('_', '-')} {max(least, 20 if name == 'steps' else least)}",
+            )
+    for name, counts in (("replicas", replicas), ("accumulation", accumulation)):
+        if not list(counts) or any(
+            isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts
+        ):
+            refuse(f"{name} must be counts >= 1.", list(counts), "e.g. 1,2,4", f"--{name} 1,2")
+    if timeout_s <= 0:
+        refuse("timeout_s must be positive.", timeout_s, "seconds > 0", "timeout_s=900")
+    if workers > 1:
+        from tfscale.launch.gpus import visible_gpus
+        from tfscale.profiling.sweep import replica_limit
+
+        gpus = len(visible_gpus(dict(os.environ)))
+        physical = gpus or len(os.sched_getaffinity(0)) or 1
+        limit = replica_limit("GPU" if gpus else "CPU", physical)
+        if workers > limit:
+            unit = "GPU(s)" if gpus else "CPU core(s)"
+            refuse(
+                f"{workers} worker processes cannot be measured on {physical} {unit} of this "
+                "host: each is a TensorFlow process with one replica, and this many would "
+                "measure contention, not communication.",
+                workers,
+                f"2 to {limit} here",
+                f"--workers {min(limit, 2)}, or the launcher across machines",
+            )
 
 
 def measure_as_worker(model: str, **settings: Any) -> Report:
@@ -168,7 +249,12 @@ def _measure(
     workload = resolve_workload(model, dataset_fn)
     devices = devices_for(kind)
     total = planned_steps(counts, accumulation, steps, warmup, strong, probes)
-    with _progress(progress, total) as tick:
+    with _progress(progress, total) as (tick, say):
+        unit = "GPUs" if kind == "GPU" else "cores"
+        say(
+            f"Measuring {workload.name} on {kind} ({physical} {unit}): replicas "
+            f"{','.join(map(str, counts))}, batch {batch_per_replica}/replica, {steps} steps each"
+        )
         points = run_sweep(
             workload,
             counts,
@@ -182,6 +268,11 @@ def _measure(
             probes=probes,
             tick=tick,
             cluster=cluster,
+            on_point=lambda p: say(
+                f"  {p.mode} scaling, {p.replicas} replica(s), batch {p.batch_per_replica}/replica"
+                f", accumulation {p.accumulation}: {p.examples_per_s:,.0f} examples/s "
+                f"(step {1000 * p.breakdown.step_s:.2f} ms)"
+            ),
         )
         if cluster:
             points = agree_points(points, strategy_for(()))
@@ -365,18 +456,26 @@ def verify_advice(
 
 
 @contextlib.contextmanager
-def _progress(enabled: bool, total: int) -> Iterator[Callable[[str, int], None]]:
-    """A rich progress bar; yields ``tick(description, advance)``."""
+def _progress(
+    enabled: bool, total: int
+) -> Iterator[tuple[Callable[[str, int], None], Callable[[str], None]]]:
+    """A rich progress bar on stderr; yields ``tick(description, advance)`` and ``say(line)``
+    (a line kept above the bar, shown as each configuration is measured, also where stderr
+    is not a terminal and the bar is not drawn)."""
     if not enabled:
-        yield lambda description, advance: None
+        yield (lambda description, advance: None), (lambda line: None)
         return
+    from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
-    with Progress(*columns, transient=True) as bar:
+    with Progress(*columns, transient=True, console=Console(stderr=True)) as bar:
         task = bar.add_task("starting", total=total)
 
         def tick(description: str, advance: int) -> None:
             bar.update(task, description=description, advance=advance)
 
-        yield tick
+        def say(line: str) -> None:
+            bar.console.print(line, soft_wrap=True, markup=False)
+
+        yield tick, say

@@ -18,7 +18,14 @@ import numpy as np
 
 from tfscale.errors import ProfileError, explain
 
-__all__ = ["MeasuredStep", "Workload", "in_cluster", "resolve_workload", "strategy_for"]
+__all__ = [
+    "MeasuredStep",
+    "Workload",
+    "check_one_batch",
+    "in_cluster",
+    "resolve_workload",
+    "strategy_for",
+]
 
 DatasetFn = Callable[[Any], Any]
 
@@ -84,7 +91,46 @@ def resolve_workload(
     rng = np.random.default_rng(0)
     x = rng.standard_normal((examples, *input_shape)).astype(np.float32)
     y = rng.integers(0, max(classes, 1), size=examples).astype(np.int32)
+    check_one_batch(probe, name, x[:2], y[:2])
     return Workload(name, build, x, y, dataset_fn)
+
+
+def compile_if_needed(model: Any) -> None:
+    """What the benchmark trains an uncompiled model with: Adam and a sparse cross-entropy
+    on logits (the labels are integer classes)."""
+    import keras
+
+    if not getattr(model, "compiled", False):
+        model.compile(
+            optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
+
+
+def check_one_batch(model: Any, name: str, x: np.ndarray, y: np.ndarray) -> None:
+    """Runs the model's forward pass and loss on two examples of the benchmark's data
+    (inputs of its input shape, integer class labels), before any device is measured.
+
+    Raises:
+        ProfileError: Its loss cannot take integer labels (a one-hot
+            ``categorical_crossentropy``), with the error Keras gave.
+    """
+    compile_if_needed(model)
+    try:
+        loss = model.compute_loss(x=x, y=y, y_pred=model(x, training=False))
+        float(np.asarray(loss))
+    except Exception as error:  # any failure here is the workload's
+        first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+        raise ProfileError(
+            explain(
+                "The model's loss cannot take the benchmark's data: inputs of the model's "
+                f"input shape and integer class labels (shape {tuple(y.shape)}).",
+                received=f"{name}: {type(error).__name__}: {first}",
+                allowed="a classifier whose loss takes integer labels, e.g. "
+                "keras.losses.SparseCategoricalCrossentropy(from_logits=True)",
+                fix="compile with a sparse loss (not one-hot categorical_crossentropy), or "
+                "measure your own data with tfscale.ProfileCallback in model.fit.",
+            )
+        ) from None
 
 
 def _import_builder(spec: str) -> Callable[[], Any]:
@@ -160,7 +206,6 @@ class MeasuredStep:
         accumulation: int = 1,
         jit_compile: bool = False,
     ) -> None:
-        import keras
         import tensorflow as tf
 
         from tfscale.training.trainer import Trainer
@@ -181,11 +226,7 @@ class MeasuredStep:
         self.examples_per_step = global_batch * accumulation
         with self.strategy.scope():
             model = workload.build()
-            if not getattr(model, "compiled", False):
-                model.compile(
-                    optimizer="adam",
-                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                )
+            compile_if_needed(model)
         self.model = model
         self.gradient_sizes = [int(np.prod(v.shape)) * 4 for v in model.trainable_variables]
         dataset = tf.data.Dataset.from_tensor_slices((workload.x, workload.y))

@@ -63,6 +63,42 @@ class SweepPoint:
         return self.breakdown.examples_per_s
 
 
+def replica_limit(kind: str, physical: int) -> int:
+    """The most replicas a sweep measures on ``physical`` GPUs or cores.
+
+    Beyond the physical devices, replicas are logical devices sharing them: a few show how
+    the step splits (the default sweep 1,2,4 on a 2-core machine), many measure only
+    contention, and a large count makes every configuration run for minutes. The limit is
+    the larger of 4 and the physical count, and at most 64, tfscale's cap on logical devices
+    (:data:`~tfscale.virtual_devices.MAX_VIRTUAL_DEVICES`).
+    """
+    from tfscale.virtual_devices import MAX_VIRTUAL_DEVICES
+
+    return min(MAX_VIRTUAL_DEVICES, max(4, physical))
+
+
+def check_replicas(count: int, kind: str, physical: int) -> None:
+    """Refuses a replica count the machine cannot measure (see :func:`replica_limit`).
+
+    Raises:
+        ProfileError: ``count`` is above the limit.
+    """
+    limit = replica_limit(kind, physical)
+    if count > limit:
+        unit = "GPU(s)" if kind == "GPU" else "CPU core(s)"
+        raise ProfileError(
+            explain(
+                f"{count} replicas cannot be measured on {physical} {unit}: beyond the "
+                "physical devices, replicas are logical devices sharing them, and this many "
+                "would measure contention (for minutes), not scaling.",
+                received=f"replicas up to {count}",
+                allowed=f"1 to {limit} on this machine",
+                fix=f"--replicas 1,2,{limit} here, or run on a machine with more devices "
+                "(or across processes: --workers N).",
+            )
+        )
+
+
 def ensure_devices(count: int, *, cluster: bool = False) -> tuple[str, int]:
     """Makes at least ``count`` devices of the best kind exist, before TensorFlow starts if needed.
 
@@ -84,6 +120,8 @@ def ensure_devices(count: int, *, cluster: bool = False) -> tuple[str, int]:
     gpus = tf.config.list_physical_devices("GPU")
     kind = "GPU" if gpus else "CPU"
     physical = len(gpus) if gpus else (len(os.sched_getaffinity(0)) or 1)
+    if not cluster:
+        check_replicas(count, kind, physical)
     if cluster:
         # A cluster worker measures over the whole cluster (harness.strategy_for) with the
         # devices it has; the replica count is the cluster's, not a local split.
@@ -198,6 +236,7 @@ def run_sweep(
     probes: bool = True,
     tick: Tick | None = None,
     cluster: bool = False,
+    on_point: Callable[[SweepPoint], None] | None = None,
 ) -> list[SweepPoint]:
     """Measures weak scaling (for each accumulation) and strong scaling over ``replicas``.
 
@@ -213,6 +252,7 @@ def run_sweep(
         jit_compile: Compile the per-replica step with XLA.
         probes: Measure the advice's cost probes at the largest replica count.
         tick: ``tick(description, steps_done)`` progress callback.
+        on_point: Called with each configuration as soon as it is measured.
         cluster: Measure as one worker of a ``bench --workers`` cluster (devices as they are).
 
     Returns:
@@ -244,7 +284,10 @@ def run_sweep(
             probe=probe,
             on_step=on_step,
         )
-        return SweepPoint(mode, n, batch, k, result, trace=shares)
+        point = SweepPoint(mode, n, batch, k, result, trace=shares)
+        if on_point:
+            on_point(point)
+        return point
 
     for k in accumulation:
         weak = [
