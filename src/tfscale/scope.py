@@ -33,6 +33,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfscale import internals
 from tfscale.errors import ScopeError, explain
 from tfscale.internals import compile_config_objects, variable_strategy
 
@@ -43,9 +44,11 @@ __all__ = [
     "creation_stack",
     "describe_stack",
     "fix_scope",
+    "notify_repaired",
     "short_device",
     "track_variable_creation",
     "variable_origin",
+    "watch_repairs",
 ]
 
 # Frames inside these packages are never "where the user created a variable".
@@ -507,6 +510,42 @@ def _compile_arguments(model: Any) -> dict[str, Any]:
     return arguments
 
 
+#: ``listener(variables, how)``: the ``tf.Variable`` objects a repair left behind.
+RepairListener = Callable[[Sequence[Any], str], None]
+_REPAIR_LISTENERS: list[RepairListener] = []
+
+
+def watch_repairs(listener: RepairListener) -> None:
+    """Calls ``listener(variables, how)`` each time a model built outside a strategy's scope
+    is repaired: by :func:`fix_scope` (``how="tfscale.fix_scope"``, the original model's
+    variables, which the returned clone replaces) or by ``tfscale.fit`` / ``tfscale.prepare``
+    moving them into the scope in place (``how="tfscale.prepare"``, the ``tf.Variable``
+    objects that held them before). ``doctor --script`` uses it not to report variables the
+    script repaired before training.
+    """
+    _REPAIR_LISTENERS.append(listener)
+
+
+def _backing(variable: Any) -> Any:
+    backing = internals.backing_variable(variable)
+    return variable if backing is None else backing
+
+
+def notify_repaired(variables: Sequence[Any], how: str) -> None:
+    """Tells the :func:`watch_repairs` listeners which ``tf.Variable`` objects were replaced.
+
+    Args:
+        variables: Keras variables (their backing ``tf.Variable`` is reported) or
+            ``tf.Variable`` objects, as they were before the repair.
+        how: What repaired them.
+    """
+    if not _REPAIR_LISTENERS:
+        return
+    backing = [_backing(v) for v in variables]
+    for listener in list(_REPAIR_LISTENERS):
+        listener(backing, how)
+
+
 def fix_scope(model: Any, strategy: tf.distribute.Strategy) -> Any:
     """Rebuilds ``model`` inside ``strategy.scope()`` with the same state.
 
@@ -549,4 +588,9 @@ def fix_scope(model: Any, strategy: tf.distribute.Strategy) -> Any:
                     model.optimizer.variables, clone.optimizer.variables, "optimizer variables"
                 )
     check_scope(clone, strategy)
+    optimizer = getattr(model, "optimizer", None)
+    notify_repaired(
+        [*model.weights, *model.metrics_variables, *getattr(optimizer, "variables", [])],
+        "tfscale.fix_scope",
+    )
     return clone

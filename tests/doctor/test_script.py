@@ -125,3 +125,44 @@ def test_summarize_judges_only_scripts_with_a_multi_replica_strategy() -> None:
     assert single.problems == () and exit_status(single) == 0
     crashed = summarize([mirrored, *outside], script="train.py", exit_status=-9)
     assert crashed.crashed and exit_status(crashed) == 137
+
+
+def test_variables_moved_into_the_scope_by_tfscale_fit_are_no_problem(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status = run_script([str(DATA / "fit_outside_scope.py")], json_output=True, timeout=150)
+    report = json.loads(capsys.readouterr().out)
+    assert status == 0 and report["problems"] == [], report
+    # The model's 4 weights (line 9) and compile()'s 4 metric variables (line 10).
+    weights, metrics = [g for g in report["variables"] if g["repaired_by"]]
+    assert (weights["count"], weights["trainable"], metrics["count"]) == (4, 4, 4)
+    for moved in (weights, metrics):
+        assert moved["strategy"] is None
+        assert moved["repaired_by"].startswith("tfscale.prepare at ")
+        assert "fit_outside_scope.py:14" in moved["repaired_by"]
+    (mirrored,) = report["strategies"]
+    assert mirrored["replica_devices"] == ["/device:CPU:0", "/device:CPU:1"]
+
+
+def test_a_repair_covers_the_variables_created_before_it_only() -> None:
+    mirrored = {
+        "kind": "strategy",
+        "strategy_id": 7,
+        "strategy": "MirroredStrategy",
+        "replicas": 2,
+        "devices": ["/device:GPU:0", "/device:GPU:1"],
+        "stack": ["train.py:5 in <module>"],
+    }
+    before = {**_variable("train.py:9 in <module>", None), "id": 11}
+    repaired = {
+        "kind": "repaired",
+        "ids": [11],
+        "how": "tfscale.fix_scope",
+        "stack": ["train.py:12 in <module>"],
+    }
+    reused = {**_variable("train.py:20 in <module>", None), "id": 11}  # same id, later
+    findings = summarize([mirrored, before, repaired, reused], script="train.py", exit_status=0)
+    fixed, late = findings.variables
+    assert fixed.repaired_by == "tfscale.fix_scope at train.py:12" and late.repaired_by is None
+    (problem,) = findings.problems
+    assert "at train.py:20;" in problem and exit_status(findings) == 1

@@ -12,7 +12,10 @@ findings behind:
 - ``strategy``: every ``tf.distribute`` strategy constructed, with its replicas, worker
   devices and creation site (a wrapper around ``Strategy.__init__``);
 - ``run``: the device each replica's outputs were placed on, the first time each strategy
-  runs a step (a wrapper around ``Strategy.run``, which Keras ``fit`` and custom loops call).
+  runs a step (a wrapper around ``Strategy.run``, which Keras ``fit`` and custom loops call);
+- ``repaired``: the variables ``tfscale.fix_scope`` replaced with a clone's, or
+  ``tfscale.fit`` / ``prepare`` moved into the scope (:func:`tfscale.scope.watch_repairs`),
+  by the ``id`` their ``variable`` events carry.
 
 The replica devices are read from the outputs of ``Strategy.run`` rather than from
 ``tf.debugging.set_log_device_placement``: the strategy pins each replica's ops with a
@@ -134,6 +137,7 @@ def _variable_event(log: _EventLog) -> Callable[[Any, Any], None]:
             shape = None
         log.write(
             "variable",
+            id=id(variable),
             name=origin.name,
             site=origin.site,
             stack=list(origin.stack),
@@ -161,8 +165,14 @@ def main(argv: list[str] | None = None) -> int:
         _configure_devices(log)
         _hook_strategies(log)
 
-        from tfscale.scope import track_variable_creation
+        from tfscale.scope import creation_stack, track_variable_creation, watch_repairs
 
+        def repaired(variables: Any, how: str) -> None:
+            log.write(
+                "repaired", ids=[id(v) for v in variables], how=how, stack=list(creation_stack())
+            )
+
+        watch_repairs(repaired)
         log.write("start", script=script, args=script_args)
         with track_variable_creation(_variable_event(log)):
             status = run_as_main(script, script_args)

@@ -82,6 +82,8 @@ class VariableGroup:
         trainable: How many of them are trainable.
         devices: Devices their copies live on.
         names: The first few variable names.
+        repaired_by: What moved them into a strategy's scope before training
+            (``"tfscale.fix_scope at train.py:20"``), or None.
     """
 
     created_at: tuple[str, ...]
@@ -91,6 +93,7 @@ class VariableGroup:
     trainable: int
     devices: tuple[str, ...]
     names: tuple[str, ...]
+    repaired_by: str | None = None
 
 
 @dataclass(frozen=True)
@@ -136,12 +139,37 @@ def _site(stack: Sequence[str], joiner: str = ", called from ") -> str:
     return first + (f"{joiner}{callers}" if callers else "")
 
 
+def _repairs(events: Sequence[Mapping[str, Any]]) -> dict[int, str]:
+    """``{index of a variable event: what repaired it}`` (pure).
+
+    A ``repaired`` event names variables by ``id``; it covers the variable events logged
+    before it only (an id can be reused by a variable created after the repair).
+    """
+    latest: dict[int, int] = {}  # id -> index of its latest variable event so far
+    out: dict[int, str] = {}
+    for index, event in enumerate(events):
+        if event.get("kind") == "variable" and "id" in event:
+            latest[int(event["id"])] = index
+        elif event.get("kind") == "repaired":
+            where = _site(tuple(event.get("stack") or ()))
+            for ident in event.get("ids") or ():
+                if int(ident) in latest:
+                    out[latest.pop(int(ident))] = f"{event.get('how')} at {where}"
+    return out
+
+
 def _group_variables(events: Sequence[Mapping[str, Any]]) -> tuple[VariableGroup, ...]:
-    groups: dict[tuple[tuple[str, ...], str | None, int], dict[str, Any]] = {}
-    for event in events:
+    groups: dict[tuple[tuple[str, ...], str | None, int, str | None], dict[str, Any]] = {}
+    repairs = _repairs(events)
+    for index, event in enumerate(events):
         if event.get("kind") != "variable":
             continue
-        key = (tuple(event.get("stack") or ()), event.get("strategy"), int(event["replicas"]))
+        key = (
+            tuple(event.get("stack") or ()),
+            event.get("strategy"),
+            int(event["replicas"]),
+            repairs.get(index),
+        )
         group = groups.setdefault(key, {"count": 0, "trainable": 0, "devices": {}, "names": []})
         group["devices"][event.get("device") or "?"] = None
         if event.get("copy"):
@@ -159,8 +187,9 @@ def _group_variables(events: Sequence[Mapping[str, Any]]) -> tuple[VariableGroup
             trainable=g["trainable"],
             devices=tuple(g["devices"]),
             names=tuple(g["names"]),
+            repaired_by=repaired_by,
         )
-        for (stack, strategy, replicas), g in groups.items()
+        for (stack, strategy, replicas, repaired_by), g in groups.items()
     )
 
 
@@ -201,7 +230,7 @@ def _problems(
     where = target.created_at[0].rsplit(" in ", 1)[0] if target.created_at else "?"
     problems = []
     for group in groups:
-        if group.strategy is not None or group.count == 0:
+        if group.strategy is not None or group.count == 0 or group.repaired_by:
             continue
         names = ", ".join(group.names) + (" ..." if group.count > len(group.names) else "")
         problems.append(
@@ -304,7 +333,9 @@ def _variable_table(findings: ScriptFindings) -> Table:
     table.add_column("devices")
     multi = any(s.replicas > 1 for s in findings.strategies)
     for g in findings.variables:
-        if g.strategy is None:
+        if g.strategy is None and g.repaired_by:
+            scope = f"outside, then moved in: {g.repaired_by}"
+        elif g.strategy is None:
             scope = "[red]outside any scope[/red]" if multi else "none"
         else:
             scope = f"{g.strategy} ({g.replicas} replicas)"
@@ -350,7 +381,11 @@ def render(findings: ScriptFindings, console: Console) -> None:
     if findings.problems:
         console.print(f"Fix: {_FIX}", soft_wrap=True, highlight=False)
     elif any(s.replicas > 1 for s in findings.strategies):
-        console.print("[green]OK:[/green] every variable was created inside the strategy's scope.")
+        moved = sum(g.count for g in findings.variables if g.repaired_by)
+        console.print(
+            "[green]OK:[/green] every variable was created inside the strategy's scope"
+            + (f" or moved into it before training ({moved} moved)." if moved else ".")
+        )
     if findings.timed_out:
         console.print(
             "[yellow]The script ran past the timeout and was stopped[/yellow]; "

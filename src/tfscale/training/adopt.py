@@ -98,10 +98,14 @@ def adopt(model: Any, strategy: tf.distribute.Strategy) -> int:
             )
         )
     if outside:
+        from tfscale.scope import notify_repaired
+
+        before = [internals.backing_variable(v) for v in outside]
         values = [_value_for(v) for v in outside]
         with strategy.scope(), tf.init_scope():
             for variable, value in zip(outside, values, strict=True):
                 internals.reinitialize_variable(variable, value)
+        notify_repaired(before, "tfscale.prepare")
     internals.set_model_strategy(model, strategy)
     for optimizer in model_optimizers(model):
         internals.set_optimizer_strategy(optimizer, strategy)
