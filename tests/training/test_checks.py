@@ -93,3 +93,13 @@ def test_checkpoint_of_another_model_is_refused_before_training(tmp_path: Path) 
     )  # fmt: skip
     message = _refused("does not fit model", x=X, y=Y, checkpoint_dir=folder)
     assert "ckpt-" in message and "own checkpoint_dir" in message
+
+
+def test_a_batched_dataset_with_batch_size_is_batched_once_as_keras_does() -> None:
+    # model.fit ignores batch_size for a dataset (it is already batched); so does tfscale.fit.
+    dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(16)
+    ours, theirs = _model(), _model()
+    tfscale.fit(ours, dataset, batch_size=16, strategy=strategy_for(2), verbose=0)
+    theirs.fit(dataset, batch_size=16, verbose=0)
+    assert int(ours.optimizer.iterations.numpy()) == 4 == int(theirs.optimizer.iterations.numpy())
+    assert relative_difference(ours.get_weights(), theirs.get_weights()) <= 1e-5
