@@ -5,6 +5,7 @@ example (``Case.source`` names it). ``registry.py`` holds the case type and the 
 the ``*_cases.py`` modules the cases, ``report.py`` prints the figures the README quotes.
 """
 
+from .callback_cases import CASES as CALLBACK_CASES
 from .trainer_cases import CASES as TRAINER_CASES
 
-CASES = [*TRAINER_CASES]
+CASES = [*TRAINER_CASES, *CALLBACK_CASES]
