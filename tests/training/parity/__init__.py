@@ -6,6 +6,7 @@ the ``*_cases.py`` modules the cases, ``report.py`` prints the figures the READM
 """
 
 from .callback_cases import CASES as CALLBACK_CASES
+from .keras_io_cases import CASES as KERAS_IO_CASES
 from .trainer_cases import CASES as TRAINER_CASES
 
-CASES = [*TRAINER_CASES, *CALLBACK_CASES]
+CASES = [*TRAINER_CASES, *CALLBACK_CASES, *KERAS_IO_CASES]

@@ -104,3 +104,15 @@ def generator(x: Any, y: Any, batch: int, sw: Any = None) -> Callable[[], Iterat
 def dataset(x: Any, y: Any, batch: int, *extra: Any) -> tf.data.Dataset:
     """A batched, unshuffled dataset."""
     return tf.data.Dataset.from_tensor_slices((x, y, *extra)).batch(batch)
+
+
+def relative_difference_of_arrays(a: Any, b: Any) -> float:
+    """tfscale's weight metric over two arrays or weight lists."""
+    from tfscale.testing import relative_difference
+
+    return relative_difference(a, b)
+
+
+def relative_difference_of(got: Any, expected: Any) -> float:
+    """tfscale's weight metric between two models' weights."""
+    return relative_difference_of_arrays(got.get_weights(), expected.get_weights())
