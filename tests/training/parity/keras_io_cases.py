@@ -212,7 +212,8 @@ class VAE(keras.Model):
         return self.decoder_out(self.decoder_dense(z)), mean, log_var
 
     def train_step(self, data: Any) -> dict[str, Any]:
-        x, noise = data
+        # x only, as in the example; the sampling noise travels in its last 2 columns.
+        x, noise = data[:, :FEATURES], data[:, FEATURES:]
         with tf.GradientTape() as tape:
             reconstruction, mean, log_var = self((x, noise), training=True)
             reconstruction_loss = tf.reduce_mean(tf.reduce_sum(tf.square(x - reconstruction), 1))
@@ -228,6 +229,7 @@ class VAE(keras.Model):
 
 
 NOISE = np.random.default_rng(31).normal(size=(len(X), 2)).astype("float32")
+X_AND_NOISE = np.concatenate([X, NOISE], axis=1)
 
 
 def _vae() -> Any:
@@ -386,7 +388,7 @@ def _freeze_then_fine_tune(model: Any, train: Train, arguments: dict[str, Any]) 
     return train(model, **arguments)
 
 
-# -- metrics ----------------------------------------------------------------------------------------
+# -- metrics ------------------------------------------------------------------------------
 class TruePositives(keras.metrics.Metric):
     """keras-io "training with built-in methods": a stateful custom metric."""
 
@@ -533,7 +535,7 @@ CASES = [
         "vae_train_step_x_only",
         f"{IO} examples/generative/vae.py",
         _vae,
-        lambda: {"x": (X, NOISE), "batch_size": 16, "epochs": 2},
+        lambda: {"x": X_AND_NOISE, "batch_size": 16, "epochs": 2},
     ),
     Case(
         "endpoint_layer_add_loss",
