@@ -98,18 +98,21 @@ def _batchnorm() -> Any:
     return compiled(model)
 
 
-def _keras_mirrored(expected: Run, got: Run) -> None:
-    """tfscale equals Keras's own model.fit under the same MirroredStrategy (each replica
-    normalizes with its own half of the batch), and both differ from one device."""
-    strategy = got.model.distribute_strategy
-    with strategy.scope():
-        model = _batchnorm()
-    model.set_weights(got.initial_weights)
-    history = model.fit(X, Y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    mirrored = Run(model, history, {}, got.initial_weights)
-    same_weights()(mirrored, got)
-    same_history()(mirrored, got)
-    assert common.relative_difference_of(expected.model, got.model) > 1e-4
+def _as_keras_under_mirrored(build: Any, fit: Any, differs_by: float = 1e-4) -> Any:
+    """tfscale equals Keras's own model.fit under the same MirroredStrategy, and both differ
+    from one device by more than ``differs_by``."""
+
+    def check(expected: Run, got: Run) -> None:
+        with got.model.distribute_strategy.scope():
+            model = build()
+        model.set_weights(got.initial_weights)
+        history = model.fit(shuffle=False, verbose=0, **fit())
+        mirrored = Run(model, history, {}, got.initial_weights)
+        same_weights()(mirrored, got)
+        same_history()(mirrored, got)
+        assert common.relative_difference_of(expected.model, got.model) > differs_by
+
+    return check
 
 
 # -- text --------------------------------------------------------------------------------------
@@ -144,11 +147,8 @@ def _masked_tagger() -> Any:
 TAGS = (PADDED % 2).astype("int32")
 
 
-def _masked_checks(expected: Run, got: Run) -> None:
-    same_weights()(expected, got)
-    same_iterations(expected, got)
-    # History: the loss is a mean over each replica's unmasked tokens, combined by examples.
-    same_history(rtol=1e-2)(expected, got)
+def _masked_data() -> dict[str, Any]:
+    return {"x": PADDED, "y": TAGS, "batch_size": 16, "epochs": 2}
 
 
 def _transformer() -> Any:
@@ -205,7 +205,7 @@ class VAE(keras.Model):
         return [self.total_loss_tracker, self.reconstruction_loss_tracker, self.kl_loss_tracker]
 
     def call(self, inputs: Any) -> Any:
-        x, noise = inputs
+        x, noise = inputs[:, :FEATURES], inputs[:, FEATURES:]
         h = self.encoder_dense(x)
         mean, log_var = self.mean(h), self.log_var(h)
         z = self.sampling([mean, log_var, noise])
@@ -213,9 +213,9 @@ class VAE(keras.Model):
 
     def train_step(self, data: Any) -> dict[str, Any]:
         # x only, as in the example; the sampling noise travels in its last 2 columns.
-        x, noise = data[:, :FEATURES], data[:, FEATURES:]
+        x = data[:, :FEATURES]
         with tf.GradientTape() as tape:
-            reconstruction, mean, log_var = self((x, noise), training=True)
+            reconstruction, mean, log_var = self(data, training=True)
             reconstruction_loss = tf.reduce_mean(tf.reduce_sum(tf.square(x - reconstruction), 1))
             kl = -0.5 * (1 + log_var - tf.square(mean) - tf.exp(log_var))
             kl_loss = tf.reduce_mean(tf.reduce_sum(kl, axis=1))
@@ -234,7 +234,7 @@ X_AND_NOISE = np.concatenate([X, NOISE], axis=1)
 
 def _vae() -> Any:
     model = VAE()
-    model((X[:2], NOISE[:2]))
+    model(X_AND_NOISE[:2])
     model.compile(keras.optimizers.Adam(0.01))
     return model
 
@@ -349,11 +349,29 @@ class Batches(keras.utils.PyDataset):  # type: ignore[misc]
         return self.x[part], self.y[part]
 
 
-def _seeded_shuffle() -> dict[str, Any]:
-    data = tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(
-        64, seed=3, reshuffle_each_iteration=True
-    )
-    return {"x": data.batch(16), "epochs": 3}
+def _seeded_shuffle(reshuffle: bool = True) -> Any:
+    def make() -> dict[str, Any]:
+        data = tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(
+            64, seed=3, reshuffle_each_iteration=reshuffle
+        )
+        return {"x": data.batch(16), "epochs": 3}
+
+    return make
+
+
+def _same_as_one_iterator(expected: Run, got: Run) -> None:
+    """tfscale equals one device reading the same dataset repeated through one iterator, and
+    differs from Keras's iterator per epoch (other epoch orders)."""
+    with tf.device("/device:CPU:0"):
+        model = common.regressor()
+        model.set_weights(got.initial_weights)
+        data = _seeded_shuffle()()["x"]
+        history = model.fit(data.repeat(3), steps_per_epoch=4, epochs=3, verbose=0)
+    one_iterator = Run(model, history, {}, got.initial_weights)
+    same_weights()(one_iterator, got)
+    same_history()(one_iterator, got)
+    same_iterations(expected, got)
+    assert common.relative_difference_of(expected.model, got.model) > 1e-4
 
 
 # -- precision ---------------------------------------------------------------------------------
@@ -492,7 +510,7 @@ CASES = [
         f"{IO} guides/training_with_built_in_methods.py (BatchNormalization)",
         _batchnorm,
         _arrays(),
-        checks=[_keras_mirrored],
+        checks=[_as_keras_under_mirrored(_batchnorm, _arrays())],
         known_difference=(
             "under a strategy each replica's BatchNormalization normalizes with its own share "
             "of the batch (Keras's model.fit does the same): tfscale equals Keras's model.fit "
@@ -522,7 +540,14 @@ CASES = [
         "masked_token_loss",
         f"{IO} examples/nlp/ner_transformers.py (masked per-token loss)",
         _masked_tagger,
-        lambda: {"x": PADDED, "y": TAGS, "batch_size": 16, "epochs": 2},
+        _masked_data,
+        checks=[_as_keras_under_mirrored(_masked_tagger, _masked_data), same_iterations],
+        known_difference=(
+            "a masked loss is a mean over each replica's unmasked tokens; one device divides "
+            "by the whole batch's unmasked tokens. Replicas whose halves hold different token "
+            "counts then weigh tokens differently from one device (tfscale weighs replicas by "
+            "examples, as Keras's own model.fit under MirroredStrategy does, which it equals)"
+        ),
     ),
     Case(
         "transformer_block",
@@ -595,7 +620,20 @@ CASES = [
         "tf_data_seeded_shuffle",
         f"{IO} guides/training_with_built_in_methods.py (tf.data, shuffle(seed=))",
         common.regressor,
-        _seeded_shuffle,
+        _seeded_shuffle(),
+        checks=[_same_as_one_iterator],
+        known_difference=(
+            "tfscale repeats a finite dataset for the fit's epochs (one iterator per fit); "
+            "with shuffle(seed=..., reshuffle_each_iteration=True) each repetition draws "
+            "another seeded order than Keras's new iterator per epoch does: tfscale equals "
+            "one device reading dataset.repeat(epochs)"
+        ),
+    ),
+    Case(
+        "tf_data_seeded_shuffle_fixed_order",
+        f"{IO} guides/training_with_built_in_methods.py (tf.data, shuffle once)",
+        common.regressor,
+        _seeded_shuffle(reshuffle=False),
     ),
     Case(
         "tf_data_with_validation_dataset",
@@ -634,13 +672,28 @@ CASES = [
     Case(
         "mixed_bfloat16_policy",
         f"{IO} guides/mixed_precision (mixed_bfloat16 layers)",
-        lambda: _mixed("mixed_bfloat16", keras.optimizers.Adam(0.01)),
+        lambda: _mixed("mixed_bfloat16", keras.optimizers.SGD(0.05)),
         _arrays(),
         weights_rtol=1e-2,
         history_rtol=1e-2,
-        known_difference=(
-            "bfloat16 keeps 8 bits of mantissa: the per-replica forward pass on half the batch "
-            "rounds differently from one device's (within 1e-2, not 1e-4)"
+        xfail=(
+            "BUG (not yet explained): with mixed_bfloat16 layers the weights after 8 SGD "
+            "steps are 0.29 apart (relative), far beyond bfloat16 rounding (1e-2); float32 "
+            "layers in the same model match to 1e-6"
+        ),
+    ),
+    Case(
+        "loss_scale_optimizer_no_overflow",
+        f"{IO} guides/mixed_precision (mixed_float16 + LossScaleOptimizer, initial_scale=256)",
+        lambda: _mixed(
+            "mixed_float16",
+            keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05), initial_scale=256),
+        ),
+        _arrays(),
+        xfail=(
+            "BUG (not yet explained): with mixed_float16 layers and no overflow at all the "
+            "weights are 0.027 apart (relative); a LossScaleOptimizer over float32 layers "
+            "matches (test_keras_features), so the half-precision layers are the cause"
         ),
     ),
     Case(
@@ -650,6 +703,12 @@ CASES = [
             "mixed_float16", keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05))
         ),
         _arrays(),
+        xfail=(
+            "BUG: each replica's loss is a mean over its own B/N examples and is weighted by "
+            "example count only after the backward pass, so float16 activation gradients are "
+            "N times one device's; the dynamic loss scale overflows where one device's does "
+            "not (an extra skipped update: scale 8192 against 16384), and the weights differ"
+        ),
     ),
     Case(
         "transfer_learning_freeze_then_fine_tune",
