@@ -74,6 +74,26 @@ def _value_for(variable: Any) -> Any:
     return container.numpy()
 
 
+def _reinitialize(variable: Any, value: Any) -> None:
+    """Re-creates the ``tf.Variable`` behind ``variable`` as trainable as the one it replaces.
+
+    Keras creates it with ``trainable=variable.trainable``. A weight frozen after it was
+    created (transfer learning: ``base.trainable = False`` on a built model) keeps a trainable
+    ``tf.Variable`` under Keras's flag, and ``GradientTape`` watches it again once it is
+    unfrozen. Re-created with the flag of the moment, it would stay unwatched for good: the
+    fine-tuning ``fit`` after ``base.trainable = True`` and a recompile would get no gradient
+    for it and leave it unchanged.
+    """
+    frozen = variable.trainable
+    variable.trainable = bool(
+        getattr(internals.distributed_container(variable), "trainable", frozen)
+    )
+    try:
+        internals.reinitialize_variable(variable, value)
+    finally:
+        variable.trainable = frozen
+
+
 def adopt(model: Any, strategy: tf.distribute.Strategy) -> int:
     """Makes ``strategy`` hold every variable of ``model``, keeping values and objects.
 
@@ -104,7 +124,7 @@ def adopt(model: Any, strategy: tf.distribute.Strategy) -> int:
         values = [_value_for(v) for v in outside]
         with strategy.scope(), tf.init_scope():
             for variable, value in zip(outside, values, strict=True):
-                internals.reinitialize_variable(variable, value)
+                _reinitialize(variable, value)
         notify_repaired(before, "tfscale.prepare")
     internals.set_model_strategy(model, strategy)
     for optimizer in model_optimizers(model):

@@ -133,6 +133,9 @@ class EpochOrder:
         # Lists become tuples, as Keras's array adapter makes them: tf.data would stack a
         # list of arrays into one tensor.
         parts = internals.lists_to_tuples(tuple(p for p in (x, y, sample_weight) if p is not None))
+        if y is None and sample_weight is None and not isinstance(x, (tuple, list)):
+            # x alone is given to train_step as x, not (x,): Keras's pack_x_y_sample_weight.
+            parts = parts[0]
         tensors = tf.nest.map_structure(tf.convert_to_tensor, parts)
         count = int(tf.shape(tf.nest.flatten(tensors)[0])[0])
         batch = 32 if batch_size is None else int(batch_size)

@@ -1,0 +1,765 @@
+"""Cases drawn from keras-io examples and guides (keras-team/keras-io, ``examples/`` and
+``guides/``), shrunk to a few steps on random data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from . import common
+from .common import (
+    FEATURES,
+    SEED,
+    binary,
+    classification,
+    compiled,
+    dataset,
+    mlp,
+    regression,
+    tokens,
+)
+from .registry import Case, Run, Train, same_history, same_iterations, same_weights
+
+IO = "keras-io"
+X, Y = regression()
+XC, YC = classification()
+XB, YB = binary()
+TOKENS, TOKEN_LABELS = tokens()
+PADDED, PADDED_LABELS = tokens(pad=True, seed=12)
+IMAGES = np.random.default_rng(21).normal(size=(32, 8, 8, 1)).astype("float32")
+IMAGE_LABELS = (IMAGES.mean(axis=(1, 2, 3)) > 0).astype("int32")
+
+
+def _exact(*more: Any) -> list[Any]:
+    return [same_weights(), same_history(), same_iterations, *more]
+
+
+# -- vision -----------------------------------------------------------------------------------
+def _mnist_mlp() -> Any:
+    keras.utils.set_random_seed(SEED)
+    model = keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            keras.layers.Flatten(),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(2, activation="softmax"),
+        ]
+    )
+    return compiled(
+        model,
+        optimizer=keras.optimizers.RMSprop(0.01),
+        loss="sparse_categorical_crossentropy",
+        metrics=["sparse_categorical_accuracy"],
+    )
+
+
+def _convnet() -> Any:
+    keras.utils.set_random_seed(SEED)
+    model = keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            keras.layers.Conv2D(4, 3, activation="relu"),
+            keras.layers.MaxPooling2D(2),
+            keras.layers.Conv2D(4, 2, activation="relu"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(2, activation="softmax"),
+        ]
+    )
+    return compiled(
+        model,
+        loss="categorical_crossentropy",
+        metrics=["accuracy"],
+    )
+
+
+def _autoencoder() -> Any:
+    keras.utils.set_random_seed(SEED)
+    inputs = keras.Input((8, 8, 1))
+    h = keras.layers.Conv2D(4, 3, activation="relu", padding="same", strides=2)(inputs)
+    h = keras.layers.Conv2DTranspose(4, 3, activation="relu", padding="same", strides=2)(h)
+    outputs = keras.layers.Conv2D(1, 3, padding="same")(h)
+    return compiled(keras.Model(inputs, outputs))
+
+
+def _batchnorm() -> Any:
+    keras.utils.set_random_seed(SEED)
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(8, use_bias=False),
+            keras.layers.BatchNormalization(),
+            keras.layers.Activation("relu"),
+            keras.layers.Dense(1),
+        ]
+    )
+    return compiled(model)
+
+
+def _as_keras_under_mirrored(build: Any, fit: Any, differs_by: float = 1e-4) -> Any:
+    """tfscale equals Keras's own model.fit under the same MirroredStrategy, and both differ
+    from one device by more than ``differs_by``."""
+
+    def check(expected: Run, got: Run) -> None:
+        with got.model.distribute_strategy.scope():
+            model = build()
+        model.set_weights(got.initial_weights)
+        history = model.fit(shuffle=False, verbose=0, **fit())
+        mirrored = Run(model, history, {}, got.initial_weights)
+        same_weights()(mirrored, got)
+        same_history()(mirrored, got)
+        assert common.relative_difference_of(expected.model, got.model) > differs_by
+
+    return check
+
+
+# -- text --------------------------------------------------------------------------------------
+def _lstm_classifier(bidirectional: bool = False, cell: type = keras.layers.LSTM) -> Any:
+    keras.utils.set_random_seed(SEED)
+    inputs = keras.Input((None,), dtype="int32")
+    h = keras.layers.Embedding(30, 8)(inputs)
+    recurrent = cell(8)
+    h = keras.layers.Bidirectional(recurrent)(h) if bidirectional else recurrent(h)
+    outputs = keras.layers.Dense(1, activation="sigmoid")(h)
+    return compiled(
+        keras.Model(inputs, outputs),
+        loss="binary_crossentropy",
+        metrics=["accuracy"],
+    )
+
+
+def _masked_tagger() -> Any:
+    """Token-level outputs on zero-padded sequences: the mask weights each token's loss."""
+    keras.utils.set_random_seed(SEED)
+    inputs = keras.Input((None,), dtype="int32")
+    h = keras.layers.Embedding(30, 8, mask_zero=True)(inputs)
+    h = keras.layers.GRU(8, return_sequences=True)(h)
+    outputs = keras.layers.Dense(2, activation="softmax")(h)
+    return compiled(
+        keras.Model(inputs, outputs),
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+    )
+
+
+TAGS = (PADDED % 2).astype("int32")
+
+
+def _masked_data() -> dict[str, Any]:
+    return {"x": PADDED, "y": TAGS, "batch_size": 16, "epochs": 2}
+
+
+def _transformer() -> Any:
+    keras.utils.set_random_seed(SEED)
+    inputs = keras.Input((8,), dtype="int32")
+    h = keras.layers.Embedding(30, 8)(inputs)
+    attended = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)(h, h)
+    h = keras.layers.LayerNormalization()(h + attended)
+    h = keras.layers.LayerNormalization()(h + keras.layers.Dense(8)(keras.layers.Dense(16)(h)))
+    outputs = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling1D()(h))
+    return compiled(
+        keras.Model(inputs, outputs),
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+
+
+def _whole_model_weights(expected: Run, got: Run) -> None:
+    # The attention's key bias has an exactly zero gradient (softmax ignores a shift): compare
+    # over the whole model, where per-array it would compare rounding noise with noise.
+    flat = [np.concatenate([w.ravel() for w in r.model.get_weights()]) for r in (got, expected)]
+    assert common.relative_difference_of_arrays(flat[0], flat[1]) <= 1e-4
+
+
+# -- generative and overridden steps -----------------------------------------------------------
+class Sampling(keras.layers.Layer):
+    """The VAE's reparameterization; its noise is an input here (seeded, same per replica
+    split as one device)."""
+
+    def call(self, inputs: Any) -> Any:
+        mean, log_var, noise = inputs
+        return mean + tf.exp(0.5 * log_var) * noise
+
+
+class VAE(keras.Model):
+    """keras-io ``examples/generative/vae.py``: a train_step computing its own losses (x only)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        keras.utils.set_random_seed(SEED)
+        self.encoder_dense = keras.layers.Dense(8, activation="relu")
+        self.mean = keras.layers.Dense(2)
+        self.log_var = keras.layers.Dense(2)
+        self.sampling = Sampling()
+        self.decoder_dense = keras.layers.Dense(8, activation="relu")
+        self.decoder_out = keras.layers.Dense(FEATURES)
+        self.total_loss_tracker = keras.metrics.Mean(name="total_loss")
+        self.reconstruction_loss_tracker = keras.metrics.Mean(name="reconstruction_loss")
+        self.kl_loss_tracker = keras.metrics.Mean(name="kl_loss")
+
+    @property
+    def metrics(self) -> list[Any]:
+        return [self.total_loss_tracker, self.reconstruction_loss_tracker, self.kl_loss_tracker]
+
+    def call(self, inputs: Any) -> Any:
+        x, noise = inputs[:, :FEATURES], inputs[:, FEATURES:]
+        h = self.encoder_dense(x)
+        mean, log_var = self.mean(h), self.log_var(h)
+        z = self.sampling([mean, log_var, noise])
+        return self.decoder_out(self.decoder_dense(z)), mean, log_var
+
+    def train_step(self, data: Any) -> dict[str, Any]:
+        # x only, as in the example; the sampling noise travels in its last 2 columns.
+        x = data[:, :FEATURES]
+        with tf.GradientTape() as tape:
+            reconstruction, mean, log_var = self(data, training=True)
+            reconstruction_loss = tf.reduce_mean(tf.reduce_sum(tf.square(x - reconstruction), 1))
+            kl = -0.5 * (1 + log_var - tf.square(mean) - tf.exp(log_var))
+            kl_loss = tf.reduce_mean(tf.reduce_sum(kl, axis=1))
+            total_loss = reconstruction_loss + kl_loss
+        gradients = tape.gradient(total_loss, self.trainable_weights)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_weights, strict=True))
+        self.total_loss_tracker.update_state(total_loss)
+        self.reconstruction_loss_tracker.update_state(reconstruction_loss)
+        self.kl_loss_tracker.update_state(kl_loss)
+        return {m.name: m.result() for m in self.metrics}
+
+
+NOISE = np.random.default_rng(31).normal(size=(len(X), 2)).astype("float32")
+X_AND_NOISE = np.concatenate([X, NOISE], axis=1)
+
+
+def _vae() -> Any:
+    model = VAE()
+    model(X_AND_NOISE[:2])
+    model.compile(keras.optimizers.Adam(0.01))
+    return model
+
+
+class LogisticEndpoint(keras.layers.Layer):
+    """keras-io functional API guide's endpoint layer: add_loss and a metric inside a layer."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.loss_fn = keras.losses.BinaryCrossentropy(from_logits=True)
+
+    def call(self, targets: Any, logits: Any) -> Any:
+        self.add_loss(self.loss_fn(targets, logits))
+        return tf.nn.sigmoid(logits)
+
+
+def _endpoint() -> Any:
+    keras.utils.set_random_seed(SEED)
+    inputs = keras.Input((FEATURES,), name="inputs")
+    targets = keras.Input((1,), name="targets")
+    logits = keras.layers.Dense(1)(keras.layers.Dense(8, activation="tanh")(inputs))
+    predictions = LogisticEndpoint()(targets, logits)
+    model = keras.Model({"inputs": inputs, "targets": targets}, predictions)
+    model.compile(keras.optimizers.Adam(0.01))
+    return model
+
+
+class GradientModel(keras.Model):
+    """keras-io "customizing what happens in fit": compute_loss, apply_gradients and
+    compiled metrics by hand, with sample weights."""
+
+    def train_step(self, data: Any) -> dict[str, Any]:
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred, sample_weight=sample_weight)
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables, strict=True))
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred, sample_weight=sample_weight)
+        return {m.name: m.result() for m in self.metrics}
+
+
+class CustomLossModel(keras.Model):
+    """keras-io "customizing what happens in fit": a compute_loss override (Huber + L2)."""
+
+    def compute_loss(self, x: Any, y: Any, y_pred: Any, sample_weight: Any, training: bool) -> Any:
+        del x, training
+        loss = keras.losses.Huber()(y, y_pred, sample_weight=sample_weight)
+        return loss + 1e-3 * tf.add_n([tf.reduce_sum(w**2) for w in self.trainable_weights])
+
+
+# -- several inputs and outputs ----------------------------------------------------------------
+TITLES = tokens(64, 5, 30, seed=41)[0]
+BODIES = tokens(64, 8, 30, seed=42)[0]
+TAG_FEATURES = (np.random.default_rng(43).random((64, 4)) > 0.5).astype("float32")
+PRIORITY = np.random.default_rng(44).random((64, 1)).astype("float32")
+DEPARTMENT = np.random.default_rng(45).integers(0, 3, 64).astype("int32")
+
+
+def _tickets() -> Any:
+    """keras-io functional API guide: the ticket ranking model (3 inputs, 2 outputs)."""
+    keras.utils.set_random_seed(SEED)
+    title = keras.Input((None,), name="title", dtype="int32")
+    body = keras.Input((None,), name="body", dtype="int32")
+    tags = keras.Input((4,), name="tags")
+    title_features = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(30, 4)(title))
+    body_features = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(30, 4)(body))
+    merged = keras.layers.concatenate([title_features, body_features, tags])
+    priority = keras.layers.Dense(1, name="priority")(merged)
+    department = keras.layers.Dense(3, name="department")(merged)
+    model = keras.Model(
+        {"title": title, "body": body, "tags": tags},
+        {"priority": priority, "department": department},
+    )
+    return compiled(
+        model,
+        optimizer=keras.optimizers.RMSprop(0.01),
+        loss={
+            "priority": keras.losses.BinaryCrossentropy(from_logits=True),
+            "department": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        },
+        loss_weights={"priority": 1.0, "department": 0.2},
+    )
+
+
+def _ticket_data() -> dict[str, Any]:
+    return {
+        "x": {"title": TITLES, "body": BODIES, "tags": TAG_FEATURES},
+        "y": {"priority": PRIORITY, "department": DEPARTMENT},
+        "batch_size": 16,
+        "epochs": 2,
+    }
+
+
+# -- inputs --------------------------------------------------------------------------------------
+class Batches(keras.utils.PyDataset):  # type: ignore[misc]
+    """keras-io: a ``keras.utils.PyDataset`` of in-order batches."""
+
+    def __init__(self, x: Any, y: Any, batch: int) -> None:
+        super().__init__()
+        self.x, self.y, self.batch = x, y, batch
+
+    def __len__(self) -> int:
+        return int(np.ceil(len(self.x) / self.batch))
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        part = slice(index * self.batch, (index + 1) * self.batch)
+        return self.x[part], self.y[part]
+
+
+def _seeded_shuffle(reshuffle: bool = True) -> Any:
+    def make() -> dict[str, Any]:
+        data = tf.data.Dataset.from_tensor_slices((X, Y)).shuffle(
+            64, seed=3, reshuffle_each_iteration=reshuffle
+        )
+        return {"x": data.batch(16), "epochs": 3}
+
+    return make
+
+
+def _same_as_one_iterator(expected: Run, got: Run) -> None:
+    """tfscale equals one device reading the same dataset repeated through one iterator, and
+    differs from Keras's iterator per epoch (other epoch orders)."""
+    with tf.device("/device:CPU:0"):
+        model = common.regressor()
+        model.set_weights(got.initial_weights)
+        data = _seeded_shuffle()()["x"]
+        history = model.fit(data.repeat(3), steps_per_epoch=4, epochs=3, verbose=0)
+    one_iterator = Run(model, history, {}, got.initial_weights)
+    same_weights()(one_iterator, got)
+    same_history()(one_iterator, got)
+    same_iterations(expected, got)
+    assert common.relative_difference_of(expected.model, got.model) > 1e-4
+
+
+# -- precision ---------------------------------------------------------------------------------
+def _mixed(policy: str, optimizer: Any) -> Any:
+    keras.utils.set_random_seed(SEED)
+    inputs = keras.Input((FEATURES,))
+    hidden = keras.layers.Dense(8, activation="tanh", dtype=policy)(inputs)
+    outputs = keras.layers.Dense(1, dtype="float32")(keras.layers.Dense(4, dtype=policy)(hidden))
+    return compiled(keras.Model(inputs, outputs), optimizer=optimizer)
+
+
+# -- transfer learning ----------------------------------------------------------------------------
+def _pretrained() -> Any:
+    keras.utils.set_random_seed(SEED)
+    base = keras.Sequential(
+        [keras.Input((FEATURES,)), keras.layers.Dense(8, activation="relu", name="base")],
+        name="base_model",
+    )
+    inputs = keras.Input((FEATURES,))
+    outputs = keras.layers.Dense(1, name="head")(base(inputs, training=False))
+    model = keras.Model(inputs, outputs)
+    base.trainable = False
+    return compiled(model)
+
+
+def _freeze_then_fine_tune(model: Any, train: Train, arguments: dict[str, Any]) -> Any:
+    """keras-io transfer learning guide: train the head, unfreeze the base, recompile with a
+    low learning rate, fine-tune."""
+    train(model, **arguments)
+    model.layers[1].trainable = True
+    model.compile(keras.optimizers.Adam(1e-3), "mse")
+    return train(model, **arguments)
+
+
+# -- metrics ------------------------------------------------------------------------------
+class TruePositives(keras.metrics.Metric):
+    """keras-io "training with built-in methods": a stateful custom metric."""
+
+    def __init__(self, name: str = "true_positives", **kwargs: Any) -> None:
+        super().__init__(name=name, **kwargs)
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
+
+    def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
+        predicted = tf.cast(y_pred > 0.5, "float32")
+        values = tf.cast(tf.equal(tf.cast(y_true, "float32"), 1.0), "float32") * predicted
+        if sample_weight is not None:
+            values *= tf.cast(sample_weight, "float32")
+        self.count.assign_add(tf.reduce_sum(values))
+
+    def result(self) -> Any:
+        return self.count
+
+    def reset_state(self) -> None:
+        self.count.assign(0.0)
+
+
+def _binary(**compile_args: Any) -> Any:
+    return compiled(mlp(1, "sigmoid"), loss="binary_crossentropy", **compile_args)
+
+
+def _binary_arrays(**extra: Any) -> Any:
+    return lambda: {"x": XB, "y": YB, "batch_size": 16, "epochs": 2, **extra}
+
+
+def _accumulating(optimizer: str) -> Any:
+    def build() -> Any:
+        opt = {"sgd": keras.optimizers.SGD(0.05), "adam": keras.optimizers.Adam(0.01)}[optimizer]
+        return compiled(mlp(), optimizer=opt)
+
+    return build
+
+
+def _keras_accumulating(optimizer: str) -> Any:
+    def build() -> Any:
+        opt = {
+            "sgd": keras.optimizers.SGD(0.05, gradient_accumulation_steps=2),
+            "adam": keras.optimizers.Adam(0.01, gradient_accumulation_steps=2),
+        }[optimizer]
+        return compiled(mlp(), optimizer=opt)
+
+    return build
+
+
+def _arrays(**extra: Any) -> Any:
+    return lambda: {"x": X, "y": Y, "batch_size": 16, "epochs": 2, **extra}
+
+
+def _dropout() -> Any:
+    keras.utils.set_random_seed(SEED)
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dropout(0.5, seed=7),
+            keras.layers.Dense(1),
+        ]
+    )
+    return compiled(model)
+
+
+def _dropout_checks(expected: Run, got: Run) -> None:
+    same_iterations(expected, got)
+    assert all(np.isfinite(w).all() for w in got.model.get_weights())
+    assert sorted(got.history.history) == sorted(expected.history.history)
+    # Each replica draws its own mask for its half of the batch: not one device's mask.
+    assert common.relative_difference_of(expected.model, got.model) > 1e-4
+
+
+CASES = [
+    Case(
+        "mnist_mlp_validation_split",
+        f"{IO} examples/vision/mnist_convnet.py (MLP variant, validation_split)",
+        _mnist_mlp,
+        lambda: {"x": IMAGES, "y": IMAGE_LABELS, "batch_size": 8, "validation_split": 0.25},
+    ),
+    Case(
+        "mnist_convnet",
+        f"{IO} examples/vision/mnist_convnet.py",
+        _convnet,
+        lambda: {
+            "x": IMAGES,
+            "y": keras.utils.to_categorical(IMAGE_LABELS, 2),
+            "batch_size": 8,
+            "epochs": 2,
+            "validation_split": 0.25,
+        },
+    ),
+    Case(
+        "conv_autoencoder",
+        f"{IO} examples/vision/autoencoder.py",
+        _autoencoder,
+        lambda: {"x": IMAGES, "y": IMAGES, "batch_size": 8, "epochs": 2},
+    ),
+    Case(
+        "batchnorm_per_replica_statistics",
+        f"{IO} guides/training_with_built_in_methods.py (BatchNormalization)",
+        _batchnorm,
+        _arrays(),
+        checks=[_as_keras_under_mirrored(_batchnorm, _arrays())],
+        known_difference=(
+            "under a strategy each replica's BatchNormalization normalizes with its own share "
+            "of the batch (Keras's model.fit does the same): tfscale equals Keras's model.fit "
+            "under the same MirroredStrategy, and sync_batchnorm=True gives one device's"
+        ),
+    ),
+    Case(
+        "batchnorm_synchronized",
+        f"{IO} guides/distributed_training_with_tensorflow.py (SyncBatchNorm)",
+        _batchnorm,
+        _arrays(),
+        options={"sync_batchnorm": True},
+    ),
+    Case(
+        "lstm_text_classification",
+        f"{IO} examples/nlp/bidirectional_lstm_imdb.py (LSTM)",
+        _lstm_classifier,
+        lambda: {"x": TOKENS, "y": TOKEN_LABELS, "batch_size": 16, "epochs": 2},
+    ),
+    Case(
+        "bidirectional_gru_text_classification",
+        f"{IO} examples/nlp/bidirectional_lstm_imdb.py (Bidirectional GRU)",
+        lambda: _lstm_classifier(True, keras.layers.GRU),
+        lambda: {"x": TOKENS, "y": TOKEN_LABELS, "batch_size": 16, "epochs": 2},
+    ),
+    Case(
+        "masked_token_loss",
+        f"{IO} examples/nlp/ner_transformers.py (masked per-token loss)",
+        _masked_tagger,
+        _masked_data,
+        checks=[_as_keras_under_mirrored(_masked_tagger, _masked_data), same_iterations],
+        known_difference=(
+            "a masked loss is a mean over each replica's unmasked tokens; one device divides "
+            "by the whole batch's unmasked tokens. Replicas whose halves hold different token "
+            "counts then weigh tokens differently from one device (tfscale weighs replicas by "
+            "examples, as Keras's own model.fit under MirroredStrategy does, which it equals)"
+        ),
+    ),
+    Case(
+        "transformer_block",
+        f"{IO} examples/nlp/text_classification_with_transformer.py",
+        _transformer,
+        lambda: {"x": TOKENS, "y": TOKEN_LABELS, "batch_size": 8, "epochs": 1},
+        checks=[_whole_model_weights, same_history(), same_iterations],
+    ),
+    Case(
+        "vae_train_step_x_only",
+        f"{IO} examples/generative/vae.py",
+        _vae,
+        lambda: {"x": X_AND_NOISE, "batch_size": 16, "epochs": 2},
+    ),
+    Case(
+        "endpoint_layer_add_loss",
+        f"{IO} guides/functional_api.py (endpoint layer pattern)",
+        _endpoint,
+        lambda: {"x": {"inputs": XB, "targets": YB}, "batch_size": 16, "epochs": 2},
+    ),
+    Case(
+        "custom_train_step_sample_weight",
+        f"{IO} guides/custom_train_step_in_tensorflow.py (sample_weight)",
+        lambda: compiled(mlp(cls=GradientModel), metrics=["mae"]),
+        _arrays(sample_weight=np.linspace(0.2, 2.0, len(X)).astype("float32")),
+    ),
+    Case(
+        "custom_compute_loss",
+        f"{IO} guides/custom_train_step_in_tensorflow.py (compute_loss override)",
+        lambda: compiled(mlp(cls=CustomLossModel)),
+        _arrays(),
+    ),
+    Case(
+        "multi_input_multi_output_loss_weights",
+        f"{IO} guides/functional_api.py (ticket ranking, dict inputs, loss_weights)",
+        _tickets,
+        _ticket_data,
+    ),
+    Case(
+        "sample_weight",
+        f"{IO} guides/training_with_built_in_methods.py (sample weights)",
+        lambda: common.classifier(),
+        lambda: {
+            "x": XC,
+            "y": YC,
+            "batch_size": 16,
+            "epochs": 2,
+            "sample_weight": np.where(YC == 1, 2.0, 0.5).astype("float32"),
+        },
+    ),
+    Case(
+        "class_weight",
+        f"{IO} guides/training_with_built_in_methods.py (class weights)",
+        lambda: common.classifier(),
+        lambda: {
+            "x": XC,
+            "y": YC,
+            "batch_size": 16,
+            "epochs": 2,
+            "class_weight": {0: 1.0, 1: 3.0, 2: 0.5},
+        },
+    ),
+    Case(
+        "py_dataset",
+        f"{IO} guides/training_with_built_in_methods.py (PyDataset)",
+        common.regressor,
+        lambda: {"x": Batches(X, Y, 16), "epochs": 2},
+    ),
+    Case(
+        "tf_data_seeded_shuffle",
+        f"{IO} guides/training_with_built_in_methods.py (tf.data, shuffle(seed=))",
+        common.regressor,
+        _seeded_shuffle(),
+        checks=[_same_as_one_iterator],
+        known_difference=(
+            "tfscale repeats a finite dataset for the fit's epochs (one iterator per fit); "
+            "with shuffle(seed=..., reshuffle_each_iteration=True) each repetition draws "
+            "another seeded order than Keras's new iterator per epoch does: tfscale equals "
+            "one device reading dataset.repeat(epochs)"
+        ),
+    ),
+    Case(
+        "tf_data_seeded_shuffle_fixed_order",
+        f"{IO} guides/training_with_built_in_methods.py (tf.data, shuffle once)",
+        common.regressor,
+        _seeded_shuffle(reshuffle=False),
+    ),
+    Case(
+        "tf_data_with_validation_dataset",
+        f"{IO} guides/training_with_built_in_methods.py (validation_data=dataset)",
+        lambda: common.regressor(metrics=["mae"]),
+        lambda: {
+            "x": dataset(X, Y, 16),
+            "validation_data": dataset(X[:32], Y[:32], 8),
+            "epochs": 2,
+        },
+    ),
+    Case(
+        "steps_per_epoch_iterator_continues",
+        f"{IO} guides/training_with_built_in_methods.py (steps_per_epoch on a dataset)",
+        common.regressor,
+        lambda: {"x": dataset(X, Y, 8), "steps_per_epoch": 3, "epochs": 2},
+    ),
+    Case(
+        "initial_epoch",
+        f"{IO} guides/training_with_built_in_methods.py (initial_epoch)",
+        common.regressor,
+        _arrays(epochs=4, initial_epoch=2),
+    ),
+    Case(
+        "validation_freq",
+        f"{IO} guides/training_with_built_in_methods.py (validation_freq)",
+        common.regressor,
+        _arrays(epochs=4, validation_data=(X[:32], Y[:32]), validation_freq=2),
+    ),
+    Case(
+        "validation_batch_size",
+        f"{IO} guides/training_with_built_in_methods.py (validation_batch_size)",
+        common.regressor,
+        _arrays(validation_data=(X[:30], Y[:30]), validation_batch_size=7),
+    ),
+    Case(
+        "mixed_bfloat16_policy",
+        f"{IO} guides/mixed_precision (mixed_bfloat16 layers)",
+        lambda: _mixed("mixed_bfloat16", keras.optimizers.SGD(0.05)),
+        _arrays(),
+        weights_rtol=1e-2,
+        history_rtol=1e-2,
+        xfail=(
+            "BUG (not yet explained): with mixed_bfloat16 layers the weights after 8 SGD "
+            "steps are 0.29 apart (relative), far beyond bfloat16 rounding (1e-2); float32 "
+            "layers in the same model match to 1e-6"
+        ),
+    ),
+    Case(
+        "loss_scale_optimizer_no_overflow",
+        f"{IO} guides/mixed_precision (mixed_float16 + LossScaleOptimizer, initial_scale=256)",
+        lambda: _mixed(
+            "mixed_float16",
+            keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05), initial_scale=256),
+        ),
+        _arrays(),
+        xfail=(
+            "BUG (not yet explained): with mixed_float16 layers and no overflow at all the "
+            "weights are 0.027 apart (relative); a LossScaleOptimizer over float32 layers "
+            "matches (test_keras_features), so the half-precision layers are the cause"
+        ),
+    ),
+    Case(
+        "loss_scale_optimizer_mixed_float16",
+        f"{IO} guides/mixed_precision (mixed_float16 + LossScaleOptimizer)",
+        lambda: _mixed(
+            "mixed_float16", keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05))
+        ),
+        _arrays(),
+        xfail=(
+            "BUG: each replica's loss is a mean over its own B/N examples and is weighted by "
+            "example count only after the backward pass, so float16 activation gradients are "
+            "N times one device's; the dynamic loss scale overflows where one device's does "
+            "not (an extra skipped update: scale 8192 against 16384), and the weights differ"
+        ),
+    ),
+    Case(
+        "transfer_learning_freeze_then_fine_tune",
+        f"{IO} guides/transfer_learning.py (freeze, train head, unfreeze, fine-tune)",
+        _pretrained,
+        _arrays(),
+        procedure=_freeze_then_fine_tune,
+    ),
+    Case(
+        "auc_precision_recall_metrics",
+        f"{IO} examples/structured_data/imbalanced_classification.py (AUC, precision, recall)",
+        lambda: _binary(
+            metrics=[
+                keras.metrics.AUC(name="auc"),
+                keras.metrics.Precision(name="precision"),
+                keras.metrics.Recall(name="recall"),
+            ]
+        ),
+        _binary_arrays(validation_data=(XB[:32], YB[:32])),
+    ),
+    Case(
+        "custom_metric_true_positives",
+        f"{IO} guides/training_with_built_in_methods.py (custom Metric)",
+        lambda: _binary(metrics=[TruePositives()]),
+        _binary_arrays(),
+    ),
+    Case(
+        "gradient_accumulation_sgd",
+        f"{IO} (optimizer gradient_accumulation_steps=2) against tfscale accumulation_steps=2",
+        _accumulating("sgd"),
+        _arrays(),
+        reference_build=_keras_accumulating("sgd"),
+        options={"accumulation_steps": 2},
+    ),
+    Case(
+        "gradient_accumulation_adam",
+        f"{IO} (optimizer gradient_accumulation_steps=2) against tfscale accumulation_steps=2",
+        _accumulating("adam"),
+        _arrays(),
+        reference_build=_keras_accumulating("adam"),
+        options={"accumulation_steps": 2},
+    ),
+    Case(
+        "dropout",
+        f"{IO} examples/vision/mnist_convnet.py (Dropout)",
+        _dropout,
+        _arrays(),
+        checks=[_dropout_checks],
+        known_difference=(
+            "each replica draws its own dropout mask for its share of the batch, so the "
+            "masks are not one device's"
+        ),
+    ),
+]
