@@ -67,7 +67,8 @@ def test_bench_and_profile_commands_write_reports(tmp_path: Path) -> None:
     import sys
     from tfscale.cli.main import main
     bench = main(["bench", "--model", "mlp", "--replicas", "1,2", "--steps", "5",
-                  "--warmup", "2", "--trace-steps", "2", "--out", {str(tmp_path / "bench")!r}])
+                  "--warmup", "2", "--trace-steps", "2", "--out", {str(tmp_path / "bench")!r},
+                  "--project", "8,64", "--interconnect", "roce-25g"])
     profile = main(["profile", "--out", {str(tmp_path / "profile")!r}, "--trace-steps", "4,8",
                     "sub/train.py", "2"])
     tfit = main(["profile", "--out", {str(tmp_path / "tfit")!r}, "tfit.py"])
@@ -91,7 +92,35 @@ def test_bench_and_profile_commands_write_reports(tmp_path: Path) -> None:
     assert "weak scaling, 2 replica(s), batch 64/replica, accumulation 1:" in done.stderr
     bench = json.loads((tmp_path / "bench" / "report.json").read_text())
     modes = {(p["mode"], p["replicas"]) for p in bench["points"]}
-    assert modes == {("weak", 1), ("weak", 2), ("strong", 1), ("strong", 2)}
+    assert modes == {
+        ("weak", 1),
+        ("weak", 2),
+        ("strong", 1),
+        ("strong", 2),
+        ("projected", 8),
+        ("projected", 64),
+    }
+    # Projected rows: marked, with the assumptions they rest on, in every report file.
+    projected = [p for p in bench["points"] if p["mode"] == "projected"]
+    assumptions = bench["settings"]["projection"]
+    assert assumptions["inter"]["name"] == "roce-25g" and assumptions["model"] == "ring all-reduce"
+    weak1 = next(p for p in bench["points"] if p["mode"] == "weak" and p["replicas"] == 1)
+    for p in projected:
+        assert p["method"] == "alpha-beta" and p["compute_ms"] == pytest.approx(
+            assumptions["local_step_ms"]
+        )
+        assert p["communication_ms"] > 0 and 0 < p["efficiency"] < 1
+    assert assumptions["local_step_ms"] == pytest.approx(
+        weak1["step_ms"] - weak1["communication_ms"]
+    )
+    assert projected[1]["efficiency"] < projected[0]["efficiency"]
+    assert bench["settings"]["alpha_beta"]["beta_s_per_byte"] > 0
+    assert any(
+        "Projected rows (mode 'projected') are not measurements" in n for n in bench["notes"]
+    )
+    markdown = (tmp_path / "bench" / "report.md").read_text()
+    assert "| projected | 64 |" in markdown
+    assert "projected" in (tmp_path / "bench" / "report.html").read_text()
     weak2 = next(p for p in bench["points"] if p["mode"] == "weak" and p["replicas"] == 2)
     assert weak2["trace_shares"] and abs(sum(weak2["trace_shares"].values()) - 1) < 1e-6
     assert bench["collectives"][0]["busbw"] == bench["collectives"][0]["algbw"]  # 2 ranks

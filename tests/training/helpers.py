@@ -84,3 +84,71 @@ def reference_weights(
                 grads, _ = tf.clip_by_global_norm(grads, clipnorm)
             model.optimizer.apply(grads, model.trainable_variables)
         return model.get_weights()
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` ports of 127.0.0.1 free at the time of asking."""
+    import socket
+
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def run_workers(code: str, args: list[str], workers: int = 2, timeout: float = 300.0) -> list[str]:
+    """Runs ``python -c code OUT_PREFIX+i *args`` as ``workers`` MultiWorkerMirrored workers
+    (one ``TF_CONFIG`` each on 127.0.0.1, one CPU device each) and returns their stdouts.
+
+    ``args[0]`` is a path prefix: worker i gets ``f"{args[0]}{i}"`` in its place. Every worker
+    runs in its own session and is killed with its group at the timeout; a worker that fails
+    fails the test with the end of its stderr.
+    """
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in free_ports(workers)]}
+    processes = []
+    for index in range(workers):
+        env = dict(os.environ)
+        env.pop("TFSCALE_VIRTUAL_DEVICES", None)
+        env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+        env["TF_CONFIG"] = json.dumps(
+            {"cluster": cluster, "task": {"type": "worker", "index": index}}
+        )
+        argv = [sys.executable, "-c", textwrap.dedent(code), f"{args[0]}{index}", *args[1:]]
+        processes.append(
+            subprocess.Popen(
+                argv,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    deadline = time.monotonic() + timeout
+    outputs = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=max(1.0, deadline - time.monotonic())))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.communicate()
+    failed = [
+        err[-3000:]
+        for process, (_, err) in zip(processes, outputs, strict=True)
+        if process.returncode != 0
+    ]
+    assert not failed, "\n---\n".join(failed)
+    return [out for out, _ in outputs]

@@ -6,13 +6,6 @@ per-worker data finishing without a hang, and Keras's own fit failing there."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +13,7 @@ import numpy as np
 import tfscale
 from tfscale.testing import relative_difference
 
-from .helpers import DATA, batches, strategy_for, tiny_model
+from .helpers import DATA, batches, run_workers, strategy_for, tiny_model
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -113,60 +106,10 @@ with open(out + ".json", "w") as handle:
 """
 
 
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def _run_workers(tmp_path: Path, timeout: float = 240.0) -> list[dict[str, object]]:
-    cluster = {"worker": [f"127.0.0.1:{p}" for p in _free_ports(2)]}
-    processes = []
-    for index in range(2):
-        env = dict(os.environ)
-        env.pop("TFSCALE_VIRTUAL_DEVICES", None)
-        env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-        env["TF_CONFIG"] = json.dumps(
-            {"cluster": cluster, "task": {"type": "worker", "index": index}}
-        )
-        processes.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    textwrap.dedent(_WORKER),
-                    str(tmp_path / f"w{index}"),
-                    str(TESTS),
-                ],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                start_new_session=True,
-            )
-        )
-    deadline = time.monotonic() + timeout
-    outputs = []
-    try:
-        for process in processes:
-            outputs.append(process.communicate(timeout=max(1.0, deadline - time.monotonic())))
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.communicate()
-    failed = [
-        err[-3000:]
-        for process, (_, err) in zip(processes, outputs, strict=True)
-        if process.returncode != 0
-    ]
-    assert not failed, "\n---\n".join(failed)
+    outputs = run_workers(_WORKER, [str(tmp_path / "w"), str(TESTS)], timeout=timeout)
     reports = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(2)]
-    for report, (out, _) in zip(reports, outputs, strict=True):
+    for report, out in zip(reports, outputs, strict=True):
         report["stdout"] = out
     return reports
 

@@ -52,6 +52,29 @@ def register(subparsers: Any) -> None:
         "over gRPC, one replica each, as on N machines) instead of over local devices; "
         "--replicas is then ignored",
     )
+    parser.add_argument(
+        "--project",
+        type=_counts,
+        default=[],
+        metavar="N,N",
+        help="also project to these replica counts with the alpha-beta model (rows marked "
+        "'projected'), e.g. 8,64,512",
+    )
+    parser.add_argument(
+        "--interconnect",
+        default="ethernet-25g",
+        help="link between nodes for --project (ethernet-10g, ethernet-25g, roce-25g, "
+        "ethernet-100g, ib-edr, ib-hdr, ib-ndr, ...; default ethernet-25g)",
+    )
+    parser.add_argument(
+        "--intra",
+        default=None,
+        help="link inside a node for --project with --gpus-per-node > 1 (pcie3, pcie4, "
+        "nvlink1..nvlink4)",
+    )
+    parser.add_argument(
+        "--gpus-per-node", type=int, default=1, metavar="G", help="replicas per node (--project)"
+    )
     parser.add_argument("--no-strong", action="store_true", help="skip strong scaling")
     parser.add_argument("--xla", action="store_true", help="compile the step with XLA")
     parser.add_argument("--out", default="tfscale-bench", metavar="DIR")
@@ -92,6 +115,10 @@ def run(args: argparse.Namespace) -> int:
         trace_steps=args.trace_steps,
         jit_compile=args.xla,
         workers=args.workers,
+        project=args.project,
+        interconnect=args.interconnect,
+        intra=args.intra,
+        gpus_per_node=args.gpus_per_node,
     )
     print_summary(report, args.out)
     return 0

@@ -50,6 +50,10 @@ def profile(
     progress: bool = True,
     workers: int = 1,
     timeout_s: float = 900.0,
+    project: Sequence[int] = (),
+    interconnect: str = "ethernet-25g",
+    intra: str | None = None,
+    gpus_per_node: int = 1,
 ) -> Report:
     """Measures how a workload scales over replicas and says what to change.
 
@@ -79,6 +83,12 @@ def profile(
             (``"mlp"``, ``"cnn"``, ``"module:function"`` or a module-level function) and
             ``dataset_fn`` is not supported.
         timeout_s: With ``workers``, seconds before the workers are stopped.
+        project: Replica counts to project to with the α-β model
+            (:mod:`tfscale.profiling.projection`) from the measured local step and gradient
+            bytes; added as points of mode ``"projected"`` with their assumptions.
+        interconnect: The link between nodes of the projection (a preset name).
+        intra: The link inside a node, with ``gpus_per_node > 1``.
+        gpus_per_node: Replicas per node of the projection.
 
     Returns:
         The report (also written to ``out`` when given).
@@ -86,6 +96,11 @@ def profile(
     Raises:
         ProfileError: Devices cannot be set up, or the model cannot be measured.
     """
+    links = None
+    if project:
+        from tfscale.profiling.projection import interconnect as preset
+
+        links = (preset(interconnect), preset(intra) if intra else None)
     check_settings(
         replicas=replicas,
         batch_per_replica=batch_per_replica,
@@ -95,6 +110,8 @@ def profile(
         trace_steps=trace_steps,
         workers=workers,
         timeout_s=timeout_s,
+        project=project,
+        gpus_per_node=gpus_per_node,
     )
     settings: dict[str, Any] = {
         "batch_per_replica": batch_per_replica,
@@ -111,15 +128,20 @@ def profile(
         # The workers run measure_as_worker() below, each as one task of a local cluster.
         from tfscale.profiling.workers import profile_workers
 
-        return profile_workers(
+        report = profile_workers(
             model,
             workers,
             timeout_s=timeout_s,
-            out=out,
+            out=None,
             progress=progress,
             settings=settings,
             dataset_fn=dataset_fn,
         )
+        if links:
+            report = with_projection(report, project, *links, per_node=gpus_per_node)
+        if out:
+            write_report(report, out)
+        return report
     report = _measure(
         model,
         replicas=replicas,
@@ -129,9 +151,110 @@ def profile(
         cluster=False,
         **settings,
     )
+    if links:
+        report = with_projection(report, project, *links, per_node=gpus_per_node)
     if out:
         write_report(report, out)
     return report
+
+
+def with_projection(
+    report: Report,
+    replicas: Sequence[int],
+    inter: Any,
+    intra: Any = None,
+    *,
+    per_node: int = 1,
+) -> Report:
+    """``report`` with projected points (mode ``"projected"``) and the α-β fit of its
+    measured all-reduces.
+
+    The local step is the measured one of the fewest replicas in weak scaling, without its
+    communication; the bytes are the model's float32 gradients.
+    """
+    import dataclasses
+
+    from tfscale.profiling.projection import assumptions, fit_alpha_beta, project
+    from tfscale.profiling.steptime import Breakdown
+    from tfscale.profiling.sweep import SweepPoint
+    from tfscale.training.allreduce import choose_bucket_bytes
+
+    weak = [p for p in report.points if p.mode == "weak" and p.accumulation == 1]
+    base = min(weak or report.points, key=lambda p: p.replicas)
+    local = base.breakdown.step_s - base.breakdown.communication_s
+    gradient_bytes = float(report.settings.get("gradient_bytes", 0))
+    compression = 1.0
+    rows = project(
+        local_step_s=local,
+        gradient_bytes=gradient_bytes,
+        batch_per_replica=base.batch_per_replica,
+        replicas=replicas,
+        inter=inter,
+        intra=intra,
+        per_node=per_node,
+        compression=compression,
+    )
+    single = base.batch_per_replica / local
+    points = [
+        SweepPoint(
+            "projected",
+            row.replicas,
+            base.batch_per_replica,
+            1,
+            Breakdown(
+                row.step_s,
+                0.0,
+                local,
+                row.allreduce_s,
+                row.replicas * base.batch_per_replica,
+                method="alpha-beta",
+            ),
+            speedup=row.examples_per_s / single,
+            efficiency=row.efficiency,
+        )
+        for row in rows
+    ]
+    settings = dict(report.settings)
+    settings["projection"] = assumptions(
+        local_step_s=local,
+        gradient_bytes=gradient_bytes,
+        inter=inter,
+        intra=intra,
+        per_node=per_node,
+        compression=compression,
+    )
+    notes = [
+        *report.notes,
+        f"Projected rows (mode 'projected') are not measurements: the measured local step "
+        f"({local * 1e3:.2f} ms at {base.batch_per_replica}/replica) plus an α-β "
+        f"{settings['projection']['model']} of {gradient_bytes / 2**20:.1f} MiB of gradients "
+        f"over {inter.name}"
+        + (f" between nodes of {per_node} on {intra.name}" if intra is not None else "")
+        + " at nominal line rates, not overlapped; docs/profiling.md compares the model "
+        "with published runs.",
+    ]
+    sized = [(c.size_bytes, c.seconds) for c in report.collectives if c.replicas > 1]
+    if len({size for size, _ in sized}) >= 2:
+        alpha, beta = fit_alpha_beta([s for s, _ in sized], [t for _, t in sized])
+        bucket = choose_bucket_bytes(int(gradient_bytes), alpha, beta)
+        settings["alpha_beta"] = {
+            "alpha_s": alpha,
+            "beta_s_per_byte": beta,
+            "bandwidth_bytes_per_s": 1 / beta if beta else None,
+            "recommended_bucket_bytes": bucket,
+        }
+        notes.append(
+            f"This machine's all-reduce, fitted: α = {alpha * 1e6:.0f} µs, "
+            f"{(1 / beta if beta else float('inf')) / 1e9:.2f} GB/s; "
+            + (
+                f"bucket_bytes={bucket} is the α-β optimum for these gradients."
+                if bucket
+                else "one packed all-reduce is cheaper than buckets for these gradients."
+            )
+        )
+    return dataclasses.replace(
+        report, points=[*report.points, *points], settings=settings, notes=notes
+    )
 
 
 def check_settings(
@@ -144,6 +267,8 @@ def check_settings(
     trace_steps: int,
     workers: int,
     timeout_s: float,
+    project: Sequence[int] = (),
+    gpus_per_node: int = 1,
 ) -> None:
     """Refuses, before any device is set up, a setting the sweep cannot measure.
 
@@ -164,6 +289,7 @@ def check_settings(
         ("warmup", warmup, 0),
         ("trace_steps", trace_steps, 0),
         ("workers", workers, 1),
+        ("gpus_per_node", gpus_per_node, 1),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             refuse(
@@ -182,6 +308,13 @@ def check_settings(
             isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts
         ):
             refuse(f"{name} must be counts >= 1.", list(counts), "e.g. 1,2,4", f"--{name} 1,2")
+    if any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in project):
+        refuse(
+            "--project must be replica counts >= 1.",
+            list(project),
+            "e.g. 8,64,512",
+            "--project 8,64,512",
+        )
     if timeout_s <= 0:
         refuse("timeout_s must be positive.", timeout_s, "seconds > 0", "timeout_s=900")
     if workers > 1:
@@ -293,6 +426,7 @@ def _measure(
                 "steps": steps,
                 "warmup": warmup,
                 "jit_compile": jit_compile,
+                "gradient_bytes": sum(_gradient_sizes(workload)),
             },
             points=points,
             collectives=results,

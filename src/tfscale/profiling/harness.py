@@ -205,6 +205,8 @@ class MeasuredStep:
         *,
         accumulation: int = 1,
         jit_compile: bool = False,
+        bucket_bytes: int | None = None,
+        gradient_compression: str | None = None,
     ) -> None:
         import tensorflow as tf
 
@@ -250,6 +252,8 @@ class MeasuredStep:
                 jit_compile=jit_compile,
                 all_reduce=reduce,
                 sample_batch=sample,
+                bucket_bytes=bucket_bytes if reduce else None,
+                gradient_compression=gradient_compression if reduce else None,
             )
             trainer.record_timings = True
             self._fetch = trainer.fetch

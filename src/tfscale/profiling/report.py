@@ -52,7 +52,7 @@ class Report:
 
     def advised_point(self) -> SweepPoint:
         """The configuration the advice is about: weak scaling at the most replicas."""
-        weak = [p for p in self.points if p.mode != "strong"] or self.points
+        weak = [p for p in self.points if p.mode not in ("strong", "projected")] or self.points
         first_k = weak[0].accumulation
         return max((p for p in weak if p.accumulation == first_k), key=lambda p: p.replicas)
 
@@ -201,7 +201,7 @@ def plots(report: Report) -> dict[str, bytes]:
     images: dict[str, bytes] = {}
     figure, left = plt.subplots(figsize=(6.4, 3.8))
     right = left.twinx()
-    for mode, marker in (("weak", "o"), ("strong", "s"), ("script", "D")):
+    for mode, marker in (("weak", "o"), ("strong", "s"), ("script", "D"), ("projected", "x")):
         points = sorted(
             (p for p in report.points if p.mode == mode and p.accumulation == _first_k(report)),
             key=lambda p: p.replicas,
@@ -219,6 +219,8 @@ def plots(report: Report) -> dict[str, bytes]:
             linestyle="--",
             label=f"{mode}: efficiency",
         )
+    if any(p.mode == "projected" for p in report.points):
+        left.set_xscale("log", base=2)  # projections reach hundreds of replicas
     left.set_xlabel("replicas")
     left.set_ylabel("examples/s")
     right.set_ylabel("scaling efficiency (%)")
@@ -231,7 +233,7 @@ def plots(report: Report) -> dict[str, bytes]:
     plt.close(figure)
 
     figure, axis = plt.subplots(figsize=(6.4, 3.8))
-    bars = [p for p in report.points if p.mode != "strong"]
+    bars = [p for p in report.points if p.mode not in ("strong", "projected")]
     labels = [
         f"{p.replicas} x {p.batch_per_replica}"
         + (f" k={p.accumulation}" if p.accumulation > 1 else "")
