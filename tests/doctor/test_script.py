@@ -100,15 +100,18 @@ def _variable(site: str, strategy: str | None, *, copy: bool = False) -> dict[st
     }
 
 
+_MIRRORED = {
+    "kind": "strategy",
+    "strategy_id": 7,
+    "strategy": "MirroredStrategy",
+    "replicas": 2,
+    "devices": ["/device:GPU:0", "/device:GPU:1"],
+    "stack": ["train.py:5 in <module>"],
+}
+
+
 def test_summarize_judges_only_scripts_with_a_multi_replica_strategy() -> None:
-    mirrored = {
-        "kind": "strategy",
-        "strategy_id": 7,
-        "strategy": "MirroredStrategy",
-        "replicas": 2,
-        "devices": ["/device:GPU:0", "/device:GPU:1"],
-        "stack": ["train.py:5 in <module>"],
-    }
+    mirrored = _MIRRORED
     outside = [_variable("train.py:9 in <module>", None)]
     inside = [
         _variable("train.py:9 in <module>", "MirroredStrategy"),
@@ -145,14 +148,7 @@ def test_variables_moved_into_the_scope_by_tfscale_fit_are_no_problem(
 
 
 def test_a_repair_covers_the_variables_created_before_it_only() -> None:
-    mirrored = {
-        "kind": "strategy",
-        "strategy_id": 7,
-        "strategy": "MirroredStrategy",
-        "replicas": 2,
-        "devices": ["/device:GPU:0", "/device:GPU:1"],
-        "stack": ["train.py:5 in <module>"],
-    }
+    mirrored = _MIRRORED
     before = {**_variable("train.py:9 in <module>", None), "id": 11}
     repaired = {
         "kind": "repaired",

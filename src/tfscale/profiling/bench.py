@@ -137,20 +137,16 @@ def profile(
             settings=settings,
             dataset_fn=dataset_fn,
         )
-        if links:
-            report = with_projection(report, project, *links, per_node=gpus_per_node)
-        if out:
-            write_report(report, out)
-        return report
-    report = _measure(
-        model,
-        replicas=replicas,
-        strong=strong,
-        dataset_fn=dataset_fn,
-        progress=progress,
-        cluster=False,
-        **settings,
-    )
+    else:
+        report = _measure(
+            model,
+            replicas=replicas,
+            strong=strong,
+            dataset_fn=dataset_fn,
+            progress=progress,
+            cluster=False,
+            **settings,
+        )
     if links:
         report = with_projection(report, project, *links, per_node=gpus_per_node)
     if out:
