@@ -29,8 +29,11 @@ lint: venv
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 
+# Two pytest processes, a test file each at a time (--dist loadfile: a file's tests share its
+# TensorFlow traces and fixtures): the suite is TensorFlow start-up and tracing, single-threaded
+# Python, so two processes use both cores of the development machine.
 unit: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 test: lint unit
 

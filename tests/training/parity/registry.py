@@ -183,6 +183,14 @@ def run_tfscale(
     return Run(model, history, arguments, start)
 
 
+def param(case: Case) -> Any:
+    """The case as a pytest parameter named after it (a strict xfail where it shows a bug)."""
+    import pytest
+
+    marks = [pytest.mark.xfail(strict=True, reason=case.xfail)] if case.xfail else []
+    return pytest.param(case, id=case.name, marks=marks)
+
+
 def run_case(case: Case, strategy: tf.distribute.Strategy) -> tuple[Run, Run]:
     """Trains the case on one device and under ``strategy`` and applies its checks.
 

@@ -1,0 +1,68 @@
+"""The parity suite, cases from keras-io examples and guides (as ``test_parity.py``), and a
+subset of all cases across 2 worker processes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from .helpers import run_workers, strategy_for
+from .parity import KERAS_IO_CASES
+from .parity.registry import Case, param, run_case
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("case", [param(case) for case in KERAS_IO_CASES])
+def test_tfscale_fit_matches_one_device_model_fit(case: Case) -> None:
+    run_case(case, strategy_for(2))
+
+
+# -- the same cases across 2 worker processes ----------------------------------------------------
+MULTIWORKER_CASES = (
+    "fit_flow_arrays",
+    "fit_with_val_split",
+    "steps_per_epoch_infinite_dataset",
+    "loss_weights_dict_outputs",
+    "custom_compute_loss",
+    "class_weight",
+    "early_stopping_min_delta",
+    "gradient_accumulation_adam",
+)
+
+# Each worker runs the registry's own runner: the one-device model.fit reference in its
+# process (no state of the parent's earlier cases), then tfscale.fit over the cluster from the
+# reference's initial weights, then the case's checks; it reports each case's outcome.
+_WORKER = """
+import json, sys
+sys.path.insert(0, sys.argv[2])
+import tensorflow as tf
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+from training.parity import CASES
+from training.parity.registry import run_case
+
+cases = {case.name: case for case in CASES}
+outcome = {}
+for name in sys.argv[3].split(","):
+    try:
+        expected, got = run_case(cases[name], strategy)
+        outcome[name] = {"ok": True, "iterations": got.iterations}
+    except AssertionError as error:
+        outcome[name] = {"ok": False, "why": str(error)}
+with open(sys.argv[1] + ".json", "w") as handle:
+    json.dump(outcome, handle)
+"""
+
+
+def test_cases_across_two_worker_processes_match_one_device(tmp_path: Path) -> None:
+    """8 cases trained by 2 worker processes (MultiWorkerMirroredStrategy, one CPU each),
+    each checked against one-device model.fit with the case's own checks."""
+    run_workers(_WORKER, [str(tmp_path / "w"), str(TESTS), ",".join(MULTIWORKER_CASES)])
+    for index in range(2):
+        outcome = json.loads((tmp_path / f"w{index}.json").read_text())
+        assert sorted(outcome) == sorted(MULTIWORKER_CASES)
+        failed = {name: o["why"] for name, o in outcome.items() if not o["ok"]}
+        assert not failed, f"worker {index}: {failed}"
+        assert all(o["iterations"] > 0 for o in outcome.values())
