@@ -22,8 +22,11 @@ without that context each replica counts ``1 / N``, so the sum is Keras's usual 
 replica gradients. Because the finiteness test runs on the reduced gradients, an overflow on
 one replica makes every replica skip the same update, and ``LossScaleOptimizer`` (which reads
 one replica's flag, keras/src/optimizers/loss_scale_optimizer.py ``_tf_apply``) now judges
-the sum. Clipping and Keras's own ``clipnorm`` / ``global_clipnorm`` run after the reduction,
-so they clip the global gradient as on one device.
+the sum. Under a ``LossScaleOptimizer`` each replica's scaled loss is also divided by N
+(``DistributedUpdate.scale_loss``, multiplied back in float32 before the weighting), so the
+float16 backward pass carries one device's magnitudes and the dynamic scale overflows where
+one device's does. Clipping and Keras's own ``clipnorm`` / ``global_clipnorm`` run after the
+reduction, so they clip the global gradient as on one device.
 
 Branching on the k-th micro-batch or on finiteness and then calling the optimizer inside the
 branch is refused by MirroredStrategy in replica context ("merge_call called while defining a
@@ -58,11 +61,15 @@ class StepContext:
         all_reduce: False to apply local gradients (profiling: the same step without
             communication).
         applied: Calls of ``apply`` traced so far in this step.
+        loss_share: The scaled loss this replica's backward pass ran on was divided by this
+            (``LossScaleOptimizer.scale_loss`` under N replicas: N); ``apply`` multiplies the
+            gradients back first.
     """
 
     count: tf.Tensor | None
     all_reduce: bool = True
     applied: int = 0
+    loss_share: int = 1
 
 
 _LOCAL = threading.local()
@@ -91,6 +98,17 @@ def _inner(optimizer: Any) -> Any:
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return optimizer.inner_optimizer
     return optimizer
+
+
+def _times(gradient: Any, factor: int) -> Any:
+    """``factor * gradient`` (None stays None; slices keep their indices)."""
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        values = gradient.values * tf.cast(factor, gradient.values.dtype)
+        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
+    gradient = tf.convert_to_tensor(gradient)
+    return gradient * tf.cast(factor, gradient.dtype)
 
 
 def _weighted(gradient: Any, count: tf.Tensor) -> Any:
@@ -167,6 +185,9 @@ class DistributedUpdate:
             self._micro_batches = self._local_counter("micro_batches", tf.int64)
             self._count = self._sum_variable(tf.zeros((), tf.float32), "count_accum")
         internals.override(optimizer, "apply", self.apply)
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            self._original_scale_loss = type(optimizer).scale_loss.__get__(optimizer)
+            internals.override(optimizer, "scale_loss", self.scale_loss)
         for each in {id(optimizer): optimizer, id(_inner(optimizer)): _inner(optimizer)}.values():
             internals.disable_builtin_all_reduce(each)
             internals.set_optimizer_strategy(each, strategy)
@@ -222,6 +243,27 @@ class DistributedUpdate:
         return list(self._accumulators.values())
 
     # -- apply ---------------------------------------------------------------------------
+    def scale_loss(self, loss: Any) -> Any:
+        """``LossScaleOptimizer.scale_loss`` in a tfscale step over N replicas: the scaled
+        per-replica mean divided by N.
+
+        Each replica's loss is the mean over its own B/N examples (tfscale weighs replicas by
+        example count after the backward pass), so its float16 backward pass would carry N
+        times the values one device's does over B examples, and overflow the dynamic scale
+        where one device does not. Divided by N it carries one device's magnitudes (exactly,
+        for an even split); ``apply`` multiplies the gradients back (``loss_share``).
+        """
+        scaled = self._original_scale_loss(loss)
+        step = _current()
+        context = tf.distribute.get_replica_context()
+        if step is None or step.count is None or context is None:
+            return scaled
+        replicas = context.num_replicas_in_sync
+        if replicas == 1:
+            return scaled
+        step.loss_share = replicas
+        return scaled / tf.cast(replicas, scaled.dtype)
+
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> Any:
         """The optimizer's ``apply`` (see the module docstring)."""
         context = tf.distribute.get_replica_context()
@@ -236,6 +278,8 @@ class DistributedUpdate:
         step = _current()
         if step is not None:
             step.applied += 1
+            if step.loss_share != 1:  # scale_loss divided this replica's loss: undo, in float32
+                grads = [_times(g, step.loss_share) for g in grads]
         replicas = context.num_replicas_in_sync
         if step is not None and step.count is not None:
             count = tf.cast(step.count, tf.float32)

@@ -712,15 +712,8 @@ CASES = [
         f"{IO} guides/mixed_precision (mixed_float16 + LossScaleOptimizer)",
         _fp16_dynamic,
         _arrays(),
-        xfail=(
-            "OPEN: with a dynamic loss scale that overflows on this data, tfscale skips an "
-            "update one device does not (final scale 8192 against 16384) and its weights "
-            "differ from one device's and from Keras's own model.fit under MirroredStrategy "
-            "(0.73; Keras judges finiteness per replica, tfscale over all replicas). The "
-            "likely cause: each replica's float16 backward pass runs on its own mean loss, "
-            "weighted by example count only after it, so its values are larger than one "
-            "device's share; not yet confirmed"
-        ),
+        checks=[_as_keras_under_mirrored(_fp16_dynamic, _arrays(), differs_by=0.0)],
+        known_difference=_HALF_PRECISION,
     ),
     Case(
         "transfer_learning_freeze_then_fine_tune",
