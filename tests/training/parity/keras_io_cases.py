@@ -399,8 +399,9 @@ def _fp16_dynamic() -> Any:
 _ORDER_DEPENDENT = (
     "passes alone and with every subset of the cases before it tried (py_dataset also in a "
     "plain script that runs the same 16 cases first: tfscale vs model.fit 3e-7), but failed "
-    "after them in one pytest run of test_parity_examples.py (weights 0.19 apart for py_dataset, 1.01 for "
-    "the dynamic-loss-scale case); not yet understood, so reported rather than hidden"
+    "after them in one pytest run of test_parity_examples.py (weights 0.19 apart for "
+    "py_dataset, 1.01 for the dynamic-loss-scale case); not yet understood, so reported "
+    "rather than hidden"
 )
 
 
