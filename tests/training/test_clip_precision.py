@@ -104,3 +104,24 @@ def test_nan_loss_stops_with_the_update_number_and_keeps_finite_weights() -> Non
     assert "learning rate" in str(info.value)
     assert int(model.optimizer.iterations.numpy()) == 2
     assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
+def test_float16_backward_pass_under_a_dynamic_loss_scale_carries_one_devices_magnitudes() -> None:
+    """Each replica's scaled loss is divided by N: the dynamic scale halves where one
+    device's does, so the same updates are skipped (before the fix each replica carried N
+    times one device's values, overflowed sooner: final scale 8192 against 16384, 6 against
+    7 updates on this case) and the weights differ only by float16 rounding."""
+    from .parity.keras_io_cases import X, Y, _fp16_dynamic
+
+    arguments = {"x": X, "y": Y, "batch_size": 16, "epochs": 2, "shuffle": False, "verbose": 0}
+    one = _fp16_dynamic()
+    start = one.get_weights()
+    one.fit(**arguments)
+    two = _fp16_dynamic()
+    two.set_weights(start)
+    tfscale.fit(two, strategy=strategy_for(2), **arguments)
+    scales = [float(m.optimizer.dynamic_scale.numpy()) for m in (one, two)]
+    updates = [int(m.optimizer.iterations.numpy()) for m in (one, two)]
+    assert scales[0] == scales[1] and scales[0] < 32768.0, scales  # it did overflow, alike
+    assert updates[0] == updates[1], updates
+    assert relative_difference(two.get_weights(), one.get_weights()) <= 2e-2

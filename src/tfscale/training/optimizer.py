@@ -23,7 +23,7 @@ replica gradients. Because the finiteness test runs on the reduced gradients, an
 one replica makes every replica skip the same update, and ``LossScaleOptimizer`` (which reads
 one replica's flag, keras/src/optimizers/loss_scale_optimizer.py ``_tf_apply``) now judges
 the sum. Under a ``LossScaleOptimizer`` each replica's scaled loss is also divided by N
-(``DistributedUpdate.scale_loss``, multiplied back in float32 before the weighting), so the
+(``DistributedUpdate.scale_loss``, weighed back in float32 with the example count), so the
 float16 backward pass carries one device's magnitudes and the dynamic scale overflows where
 one device's does. Clipping and Keras's own ``clipnorm`` / ``global_clipnorm`` run after the
 reduction, so they clip the global gradient as on one device.
@@ -62,8 +62,8 @@ class StepContext:
             communication).
         applied: Calls of ``apply`` traced so far in this step.
         loss_share: The scaled loss this replica's backward pass ran on was divided by this
-            (``LossScaleOptimizer.scale_loss`` under N replicas: N); ``apply`` multiplies the
-            gradients back first.
+            (``LossScaleOptimizer.scale_loss`` under N replicas: N); ``apply`` weighs its
+            gradients by ``count * loss_share``, the example total staying ``count``.
     """
 
     count: tf.Tensor | None
@@ -98,17 +98,6 @@ def _inner(optimizer: Any) -> Any:
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return optimizer.inner_optimizer
     return optimizer
-
-
-def _times(gradient: Any, factor: int) -> Any:
-    """``factor * gradient`` (None stays None; slices keep their indices)."""
-    if gradient is None:
-        return None
-    if isinstance(gradient, tf.IndexedSlices):
-        values = gradient.values * tf.cast(factor, gradient.values.dtype)
-        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
-    gradient = tf.convert_to_tensor(gradient)
-    return gradient * tf.cast(factor, gradient.dtype)
 
 
 def _weighted(gradient: Any, count: tf.Tensor) -> Any:
@@ -251,7 +240,7 @@ class DistributedUpdate:
         example count after the backward pass), so its float16 backward pass would carry N
         times the values one device's does over B examples, and overflow the dynamic scale
         where one device does not. Divided by N it carries one device's magnitudes (exactly,
-        for an even split); ``apply`` multiplies the gradients back (``loss_share``).
+        for an even split); ``apply`` weighs the gradients back (``loss_share``).
         """
         scaled = self._original_scale_loss(loss)
         step = _current()
@@ -278,21 +267,22 @@ class DistributedUpdate:
         step = _current()
         if step is not None:
             step.applied += 1
-            if step.loss_share != 1:  # scale_loss divided this replica's loss: undo, in float32
-                grads = [_times(g, step.loss_share) for g in grads]
         replicas = context.num_replicas_in_sync
         if step is not None and step.count is not None:
             count = tf.cast(step.count, tf.float32)
         else:
             count = tf.constant(1.0 / replicas)  # Keras's losses are already divided by N
+        # Each gradient is weighted by its examples; where scale_loss divided this replica's
+        # loss by N, by N times as many (the example total stays the count).
+        weight = count * float(step.loss_share) if step is not None else count
         reduce = replicas > 1 and (step is None or step.all_reduce)
         kept = [i for i, v in enumerate(variables) if _overwritten(v)]
         if self.accumulation_steps == 1:
             if not reduce and (step is None or step.count is None):
                 return self._finish(grads, variables)
-            weighted = [_weighted_or_kept(g, count, i in kept) for i, g in enumerate(grads)]
+            weighted = [_weighted_or_kept(g, weight, i in kept) for i, g in enumerate(grads)]
             return self._reduce_and_finish(weighted, count, variables, reduce, kept)
-        return self._accumulate(grads, count, variables, reduce, kept)
+        return self._accumulate(grads, count, weight, variables, reduce, kept)
 
     def _reduce_and_finish(
         self,
@@ -325,6 +315,7 @@ class DistributedUpdate:
         self,
         grads: list[Any],
         count: tf.Tensor,
+        weight: tf.Tensor,
         variables: list[Any],
         reduce: bool,
         kept: Sequence[int],
@@ -352,7 +343,7 @@ class DistributedUpdate:
             )
         for gradient, variable in touched:
             self._accumulators[id(variable)].assign_add(
-                tf.convert_to_tensor(_weighted(gradient, count))
+                tf.convert_to_tensor(_weighted(gradient, weight))
             )
         self._count.assign_add(count)
         self._micro_batches.assign_add(1)
