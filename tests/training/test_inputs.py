@@ -16,6 +16,7 @@ from tfscale.testing import relative_difference
 from tfscale.training import Trainer
 
 from .helpers import CLASSES, DATA, FEATURES, batches, reference_weights, strategy_for, tiny_model
+from .parity.common import aligned
 
 
 def test_uncompiled_model_is_refused_with_a_snippet() -> None:
@@ -322,3 +323,103 @@ def test_one_distributed_iterator_serves_every_epoch_of_a_fit(
     keras_model = tiny_model(strategy, "adam", lr=0.01)
     keras_model.fit(dataset, epochs=4, validation_data=(x[:64], y[:64]), verbose=0)
     assert made.count(made[0]) >= 8  # Keras alone: 2 per epoch for training (+1 to build)
+
+
+# -- generator-backed inputs: TensorFlow writes into the user's arrays --------------------------
+class _Slices(keras.utils.PyDataset):  # type: ignore[misc]
+    """keras-io's PyDataset: batches that are views of the user's arrays."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, batch: int) -> None:
+        super().__init__()
+        self.x, self.y, self.batch = x, y, batch
+
+    def __len__(self) -> int:
+        return -(-len(self.x) // self.batch)
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        part = slice(index * self.batch, (index + 1) * self.batch)
+        return self.x[part], self.y[part]
+
+
+def _views(x: np.ndarray, y: np.ndarray, batch: int) -> Any:
+    for start in range(0, len(x), batch):
+        yield x[start : start + batch], y[start : start + batch]
+
+
+def _regression() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(64, FEATURES)).astype("float32")
+    return x, (x @ rng.normal(size=(FEATURES, 1))).astype("float32")
+
+
+def _regressor() -> keras.Model:
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.05), "mse")
+    return model
+
+
+def test_tensorflow_writes_into_generator_arrays_under_mirrored_strategy() -> None:
+    """The upstream bug :func:`tfscale.training.data.copied_batches` guards against, with
+    TensorFlow alone: ``from_generator`` over views of 64-byte-aligned arrays, distributed
+    over 2 replicas and read inside a tf.function, as Keras reads it; ``t - 1`` writes
+    into the first replica's rows of the caller's array. If this fails, TensorFlow no
+    longer aliases them and the copy in ``copied_batches`` can go."""
+    original = np.arange(1, 65, dtype="float32").reshape(64, 1)
+    y = aligned(original)
+
+    def generate() -> Any:
+        for start in range(0, 64, 16):
+            yield y[start : start + 16]
+
+    strategy = strategy_for(2)
+    dataset = tf.data.Dataset.from_generator(
+        generate, output_signature=tf.TensorSpec((None, 1), tf.float32)
+    )
+    iterator = iter(strategy.experimental_distribute_dataset(dataset))
+
+    @tf.function
+    def step(iterator: Any) -> Any:
+        return strategy.run(lambda t: tf.reduce_sum(tf.square(t - 1.0)), args=(next(iterator),))
+
+    for _ in range(4):
+        step(iterator)
+    changed = np.flatnonzero(y != original)
+    # Rows 0-7 of each batch of 16: the first replica's share.
+    assert changed.tolist() == [b + r for b in range(0, 64, 16) for r in range(8)]
+
+
+@pytest.mark.parametrize("how", ["tfscale.fit", "prepare"])
+@pytest.mark.parametrize("kind", ["py_dataset", "generator"])
+def test_generator_inputs_leave_the_users_arrays_unchanged_and_train_as_one_device(
+    kind: str, how: str
+) -> None:
+    """Keras's model.fit under the same MirroredStrategy changes y in place (the bug
+    above, through Keras); tfscale.fit, and model.fit of a prepared model, copy each batch
+    and train as one device does on the untouched data."""
+    x0, y0 = _regression()
+    strategy = strategy_for(2)
+
+    def data(x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
+        if kind == "generator":
+            return {"x": _views(x, y, 16)}
+        return {"x": _Slices(x, y, 16)}
+
+    epochs = 1 if kind == "generator" else 2  # a generator is read once
+    with tf.device("/device:CPU:0"):
+        reference = _regressor()
+        reference.fit(**data(x0.copy(), y0.copy()), epochs=epochs, shuffle=False, verbose=0)
+    x, y = aligned(x0), aligned(y0)
+    model = _regressor()
+    if how == "prepare":
+        prepared = tfscale.prepare(model, strategy)
+        prepared.fit(**data(x, y), epochs=epochs, shuffle=False, verbose=0)
+    else:
+        tfscale.fit(model, **data(x, y), epochs=epochs, shuffle=False, strategy=strategy, verbose=0)
+    assert np.array_equal(x, x0) and np.array_equal(y, y0), f"{how} changed the data"
+    assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5
+    x, y = aligned(x0), aligned(y0)
+    with strategy.scope():
+        keras_model = _regressor()
+    keras_model.fit(**data(x, y), epochs=epochs, shuffle=False, verbose=0)
+    assert not np.array_equal(y, y0), "Keras under Mirrored no longer changes y: see above"

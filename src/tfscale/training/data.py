@@ -7,13 +7,20 @@
   data and MultiWorkerMirroredStrategy waits for it forever (see DESIGN.md). DATA is always
   correct (each worker reads everything and keeps its share); set FILE yourself when there
   are many files.
+- Batches of Python generators and ``keras.utils.PyDataset`` are copied before TensorFlow
+  sees them when there are several replicas (:func:`copied_batches`, applied by a prepared
+  model's ``fit``, so ``tfscale.fit`` and ``prepare`` + ``model.fit`` both get it):
+  TensorFlow otherwise writes into the user's arrays.
 """
 
 from __future__ import annotations
 
+import types
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -23,6 +30,7 @@ __all__ = [
     "EpochOrder",
     "KerasInputs",
     "agreed_seed",
+    "copied_batches",
     "distributed_input",
     "is_dataset_fn",
     "num_workers",
@@ -69,6 +77,69 @@ def distributed_input(data: Any, strategy: tf.distribute.Strategy) -> Any:
         return data(context).filter(lambda *_: True)
 
     return strategy.distribute_datasets_from_function(unknown_length)
+
+
+def _copy_arrays(batch: Any) -> Any:
+    return tf.nest.map_structure(
+        lambda leaf: np.array(leaf, copy=True) if isinstance(leaf, np.ndarray) else leaf, batch
+    )
+
+
+class _CopiedPyDataset(keras.utils.PyDataset):  # type: ignore[misc]
+    """The user's PyDataset with each batch's arrays copied; Keras's adapter still runs it
+    (its workers, queue, epoch hooks and length are the user's)."""
+
+    def __init__(self, source: Any) -> None:
+        super().__init__(
+            workers=source.workers,
+            use_multiprocessing=source.use_multiprocessing,
+            max_queue_size=source.max_queue_size,
+        )
+        self.source = source
+
+    def __getitem__(self, index: int) -> Any:
+        return _copy_arrays(self.source[index])
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    @property
+    def num_batches(self) -> int | None:
+        return self.source.num_batches  # type: ignore[no-any-return]
+
+    def on_epoch_begin(self) -> None:
+        self.source.on_epoch_begin()
+
+    def on_epoch_end(self) -> None:
+        self.source.on_epoch_end()
+
+
+def _copied_generator(source: Iterator[Any]) -> Iterator[Any]:
+    for batch in source:
+        yield _copy_arrays(batch)
+
+
+def copied_batches(data: Any, strategy: tf.distribute.Strategy) -> Any:
+    """A Python generator or ``keras.utils.PyDataset`` whose batches' numpy arrays are
+    copied, when ``strategy`` has several replicas; anything else as it is.
+
+    Keras feeds both through ``tf.data.Dataset.from_generator``, whose tensors may alias
+    the arrays the generator returns (zero-copy when their memory is 64-byte aligned).
+    Under MirroredStrategy, with the iterator read inside the train function as Keras
+    reads it, the first replica's share of such a batch reaches the step as a buffer
+    TensorFlow believes it owns, and an elementwise op (the loss's ``y_true - y_pred``)
+    writes its result into it: the USER's array changes, silently, and the next epoch
+    trains on the result. Whether it happens depends on where the allocator put the
+    array. Reproduced with TensorFlow alone (``tests/training/test_inputs.py``); Keras's
+    own ``model.fit`` under the same strategy does it. A copy per batch costs one memcpy.
+    """
+    if strategy.num_replicas_in_sync < 2:
+        return data
+    if isinstance(data, keras.utils.PyDataset):
+        return _CopiedPyDataset(data)
+    if isinstance(data, types.GeneratorType):
+        return _copied_generator(data)
+    return data
 
 
 def _plain_arrays(*parts: Any) -> bool:

@@ -12,7 +12,9 @@ intercepts where Keras is wrong under a strategy, on this model instance only:
 - every optimizer of the model does tfscale's distributed update (``optimizer.py``);
 - ``make_train_function`` / ``make_test_function`` build tfscale's step functions
   (``function.py``), and the model's symbolic build takes one replica's batch, which is what
-  breaks ``model.fit`` under MultiWorkerMirroredStrategy (keras-team/keras#20585).
+  breaks ``model.fit`` under MultiWorkerMirroredStrategy (keras-team/keras#20585);
+- ``fit`` copies the batches of Python generators and ``keras.utils.PyDataset``s under
+  several replicas, which TensorFlow otherwise writes into (``data.copied_batches``).
 
 ``prepare`` is idempotent: a second call updates the options and keeps compiled functions
 when they do not change.
@@ -20,6 +22,7 @@ when they do not change.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -30,6 +33,7 @@ from tfscale import internals
 from tfscale.errors import TrainingError, explain
 from tfscale.training.adopt import adopt, model_optimizers
 from tfscale.training.allreduce import Compression, check_compression
+from tfscale.training.data import copied_batches
 from tfscale.training.function import StepFunction
 from tfscale.training.optimizer import DistributedUpdate, distributed_update
 from tfscale.training.precision import Precision, apply_policy, resolve_precision
@@ -142,6 +146,7 @@ class Prepared:
         internals.override(model, "make_train_function", self.make_train_function)
         internals.override(model, "make_test_function", self.make_test_function)
         internals.override(model, "_maybe_symbolic_build", self.symbolic_build)
+        internals.override(model, "fit", self.fit)
 
     # -- state ---------------------------------------------------------------------------
     def updates(self) -> list[DistributedUpdate]:
@@ -179,6 +184,20 @@ class Prepared:
     def make_train_function(self, force: bool = False) -> Any:
         """Keras's ``make_train_function``, building tfscale's :class:`StepFunction`."""
         return self._function("train", force)
+
+    def fit(self, *args: Any, **kwargs: Any) -> Any:
+        """Keras's ``fit`` of the model (its class's, whatever patches it), with the
+        training and validation batches of generators and PyDatasets copied (see
+        :func:`tfscale.training.data.copied_batches`)."""
+        fit = type(self.model).fit
+        try:
+            bound = inspect.signature(fit).bind(self.model, *args, **kwargs)
+        except TypeError:
+            return fit(self.model, *args, **kwargs)  # Keras's own error for a bad call
+        for name in ("x", "validation_data"):
+            if name in bound.arguments:
+                bound.arguments[name] = copied_batches(bound.arguments[name], self.strategy)
+        return fit(*bound.args, **bound.kwargs)
 
     def make_test_function(self, force: bool = False) -> Any:
         """Keras's ``make_test_function``, building tfscale's :class:`StepFunction`."""

@@ -396,15 +396,6 @@ def _fp16_dynamic() -> Any:
     return _mixed("mixed_float16", keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05)))
 
 
-_ORDER_DEPENDENT = (
-    "passes alone and with every subset of the cases before it tried (py_dataset also in a "
-    "plain script that runs the same 16 cases first: tfscale vs model.fit 3e-7), but failed "
-    "after them in one pytest run of test_parity_examples.py (weights 0.19 apart for "
-    "py_dataset, 1.01 for the dynamic-loss-scale case); not yet understood, so reported "
-    "rather than hidden"
-)
-
-
 def _same_dynamic_scale(expected: Run, got: Run) -> None:
     scales = [float(run.model.optimizer.dynamic_scale.numpy()) for run in (expected, got)]
     assert scales[0] == scales[1], scales
@@ -651,7 +642,6 @@ CASES = [
         f"{IO} guides/training_with_built_in_methods.py (PyDataset)",
         common.regressor,
         lambda: {"x": Batches(X, Y, 16), "epochs": 2},
-        unstable=_ORDER_DEPENDENT,
     ),
     Case(
         "tf_data_seeded_shuffle",
@@ -734,7 +724,6 @@ CASES = [
             same_iterations,
             _same_dynamic_scale,
         ],
-        unstable=_ORDER_DEPENDENT,
         known_difference=_HALF_PRECISION,
     ),
     Case(

@@ -72,9 +72,6 @@ class Case:
         known_difference: Why tfscale's result legitimately differs from one device's
             (an inherent difference or a Keras quirk); None for an exact-parity case.
         xfail: A bug of tfscale's this case shows (the case is expected to fail, strictly).
-        unstable: Why the case fails in some runs of the whole suite and not alone (an open
-            question, not a known difference): a non-strict xfail, so its failures are
-            reported as XFAIL and its passes as XPASS, never hidden.
         reference_fit: Overrides ``fit`` for the reference side only (e.g. a case whose
             reference needs a different but equivalent call).
         reference_build: Overrides ``build`` for the reference side only.
@@ -93,7 +90,6 @@ class Case:
     history_rtol: float = HISTORY_RTOL
     known_difference: str | None = None
     xfail: str | None = None
-    unstable: str | None = None
     reference_fit: Callable[[], dict[str, Any]] | None = None
     reference_build: Callable[[], Any] | None = None
     procedure: Callable[[Any, Train, dict[str, Any]], Any] | None = None
@@ -192,8 +188,6 @@ def param(case: Case) -> Any:
     import pytest
 
     marks = [pytest.mark.xfail(strict=True, reason=case.xfail)] if case.xfail else []
-    if case.unstable:
-        marks.append(pytest.mark.xfail(strict=False, reason="UNSTABLE: " + case.unstable))
     return pytest.param(case, id=case.name, marks=marks)
 
 

@@ -68,10 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  open bugs (xfail, strict): {len(bugs)}")
     for case, _ in bugs:
         print(f"    - {case.name}: {case.xfail}")
-    unstable = [case for case in CASES if case.unstable]
-    print(f"  unstable in a whole-suite run (xfail, not strict): {len(unstable)}")
-    for case in unstable:
-        print(f"    - {case.name}: {case.unstable}")
     if wrong:
         print(f"  NOT as registered: {len(wrong)}")
         for case, outcome in wrong:
