@@ -199,6 +199,30 @@ def test_compressed_all_reduce_stays_close_to_float32(compression: str, toleranc
     assert relative_difference(untrained, expected) > 10 * tolerance
 
 
+def test_each_step_function_keeps_its_own_communication_options() -> None:
+    """Two trainers of one model (profiling's with and without the all-reduce) share the
+    optimizer's distributed update: the one built first still all-reduces in bf16 buckets
+    and clips, as it was asked, after the second was built with none of it."""
+    x, y = DATA
+    strategy = strategy_for(2)
+    options = {"gradient_compression": "bf16", "bucket_bytes": 64, "clipnorm": 0.05}
+    weights = []
+    for second in (False, True):
+        model = tiny_model(strategy, "adam")
+        trainer = Trainer(model, strategy, sample_batch=(x[:8], y[:8]), **options)
+        if second:
+            Trainer(model, strategy, all_reduce=False, sample_batch=(x[:8], y[:8]))
+        trainer.train(iter(strategy.experimental_distribute_dataset(batches(x, y, BATCH))), STEPS)
+        weights.append(model.get_weights())
+    assert relative_difference(weights[1], weights[0]) == 0.0
+    # The options matter here: float32 without clipping is elsewhere.
+    plain = tiny_model(strategy, "adam")
+    Trainer(plain, strategy, sample_batch=(x[:8], y[:8])).train(
+        iter(strategy.experimental_distribute_dataset(batches(x, y, BATCH))), STEPS
+    )
+    assert relative_difference(plain.get_weights(), weights[0]) > 1e-3
+
+
 def test_unknown_gradient_compression_is_refused() -> None:
     strategy = strategy_for(2)
     with pytest.raises(tfscale.TrainingError, match="Unknown gradient_compression"):

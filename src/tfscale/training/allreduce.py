@@ -181,7 +181,18 @@ def all_reduce_packed(
             cast = target is not None and index not in keep and value.dtype.is_floating
             dense[index] = tf.cast(value, target) if cast else value
     out: list[Any] = list(values)
+    # Compressed, the values kept in their own type cannot share a bucket's buffer. They go
+    # in a collective of their own, created first: collectives run in the order they are
+    # created, and the example count is known before the backward pass, so its collective
+    # runs during it instead of adding a round trip after the last gradient.
+    first = [i for i in keep if target is not None and dense[i] is not None]
     with tf.name_scope(ALL_REDUCE_SCOPE):
+        if first:
+            for index, summed in zip(
+                first, _reduce_packed([dense[i] for i in first], context), strict=True
+            ):
+                out[index] = summed
+            dense = [None if i in first else value for i, value in enumerate(dense)]
         for bucket in buckets(dense, bucket_bytes):
             for index, summed in zip(
                 bucket, _reduce_packed([dense[i] for i in bucket], context), strict=True

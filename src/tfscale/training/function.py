@@ -150,7 +150,9 @@ class StepFunction:
         model = self.model
         if self.kind == "test":
             return model.test_step(data)
-        with step_context(example_count(data), all_reduce=self.all_reduce) as context:
+        with step_context(
+            example_count(data), all_reduce=self.all_reduce, options=self.options
+        ) as context:
             outputs = model.train_step(data)
         if context.applied == 0 and self.options.accumulation_steps > 1:
             raise TrainingError(

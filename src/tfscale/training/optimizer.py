@@ -64,25 +64,32 @@ class StepContext:
         loss_share: The scaled loss this replica's backward pass ran on was divided by this
             (``LossScaleOptimizer.scale_loss`` under N replicas: N); ``apply`` weighs its
             gradients by ``count * loss_share``, the example total staying ``count``.
+        options: The tracing step function's ``prepare.Options``: its ``bucket_bytes``,
+            ``gradient_compression`` and ``clipnorm`` are the update's in this step (two
+            functions of one model, e.g. profiling's with and without the all-reduce, each
+            keep theirs); None uses the update's own attributes.
     """
 
     count: tf.Tensor | None
     all_reduce: bool = True
     applied: int = 0
     loss_share: int = 1
+    options: Any = None
 
 
 _LOCAL = threading.local()
 
 
 @contextlib.contextmanager
-def step_context(count: tf.Tensor | None, *, all_reduce: bool = True) -> Iterator[StepContext]:
+def step_context(
+    count: tf.Tensor | None, *, all_reduce: bool = True, options: Any = None
+) -> Iterator[StepContext]:
     """Marks the code traced inside as one replica's step over ``count`` examples.
 
     MirroredStrategy traces each replica in its own thread, so the context is thread-local.
     """
     previous = getattr(_LOCAL, "step", None)
-    context = StepContext(count, all_reduce)
+    context = StepContext(count, all_reduce, options=options)
     _LOCAL.step = context
     try:
         yield context
@@ -296,11 +303,12 @@ class DistributedUpdate:
         values.append(count)
         if reduce:
             self.all_reduce_traces += 1
+            options = self._step_options()
             values = all_reduce_packed(
                 values,
                 tf.distribute.get_replica_context(),
-                bucket_bytes=self.bucket_bytes,
-                compression=self.compression,
+                bucket_bytes=self.bucket_bytes if options is None else options.bucket_bytes,
+                compression=self.compression if options is None else options.gradient_compression,
                 keep=[len(values) - 1],  # the example count stays float32
             )
             self.all_reduce_runs.assign_add(1)
@@ -361,10 +369,18 @@ class DistributedUpdate:
 
         self._branch(due, update, lambda: None)
 
+    @staticmethod
+    def _step_options() -> Any:
+        """The tracing step function's options (see :class:`StepContext`), or None."""
+        step = _current()
+        return None if step is None else step.options
+
     def _finish(self, grads: list[Any], variables: list[Any]) -> None:
         """Clips the reduced gradient, then applies it if finite (identical on every replica)."""
-        if self.clipnorm is not None:
-            threshold = tf.constant(self.clipnorm, tf.float32)
+        options = self._step_options()
+        clipnorm = self.clipnorm if options is None else options.clipnorm
+        if clipnorm is not None:
+            threshold = tf.constant(clipnorm, tf.float32)
             if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
                 # Still scaled by the loss scale here: clip at the scaled norm.
                 threshold = threshold * tf.cast(self.optimizer.dynamic_scale, tf.float32)
