@@ -17,17 +17,30 @@ so that every configuration sees the same machine load:
 Exposed communication = a configuration's step minus the no-all-reduce step. Worker 0's
 timings are printed (both workers run the same steps in lockstep).
 
+Between two processes of one machine the "link" is memory: gRPC's copies and serialization
+cost CPU time that does not halve with the bytes, and both workers share the cores. A link
+between machines is bandwidth-bound; ``--link-mbit R`` (Linux, root: ``tc``) makes the
+loopback such a link for the workers' traffic only: each worker's gRPC server sends at most
+R Mbit/s (an HTB class per worker port on ``lo``, matched by source port: the tensors of
+TensorFlow's collectives travel in the responses of the worker that holds them), removed
+afterwards.
+
     python benchmarks/allreduce_modes.py [--width 2048] [--batch 16] [--steps 30]
-        [--bucket-mib 4] [--json FILE]
+        [--bucket-mib 4] [--link-mbit R] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import random
+import shutil
+import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
@@ -109,6 +122,51 @@ def worker(settings: dict[str, Any]) -> None:
             json.dump(result, handle)
 
 
+def _tc(*args: str) -> None:
+    subprocess.run(["tc", *args], check=True, capture_output=True, text=True, timeout=30)
+
+
+@contextlib.contextmanager
+def shaped_link(ports: list[int], mbit: float | None) -> Iterator[None]:
+    """Each of ``ports``' senders limited to ``mbit`` Mbit/s on the loopback (see the module
+    doc); nothing when ``mbit`` is None. The loopback's queueing is restored afterwards."""
+    if mbit is None:
+        yield
+        return
+    if shutil.which("tc") is None or os.geteuid() != 0:
+        raise SystemExit(
+            f"--link-mbit {mbit:g} shapes the loopback with tc, which needs Linux, root and "
+            "the tc command; run without --link-mbit, or as root"
+        )
+    _tc("qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "1")
+    try:
+        _tc("class", "add", "dev", "lo", "parent", "1:", "classid", "1:1", "htb", "rate", "100gbit")
+        for index, port in enumerate(ports):
+            classid = f"1:{10 + index}"
+            rate = f"{mbit:g}mbit"
+            _tc("class", "add", "dev", "lo", "parent", "1:", "classid", classid, "htb",
+                "rate", rate, "ceil", rate)  # fmt: skip
+            _tc("filter", "add", "dev", "lo", "parent", "1:", "protocol", "ip", "prio", "1",
+                "u32", "match", "ip", "sport", str(port), "0xffff", "flowid", classid)  # fmt: skip
+        yield
+    finally:
+        _tc("qdisc", "del", "dev", "lo", "root")
+
+
+def _port_base(count: int) -> int:
+    from tfscale.errors import LaunchError
+    from tfscale.launch.ports import check_ports
+
+    for _ in range(50):
+        base = random.randint(20000, 40000)
+        try:
+            check_ports(base, count)
+        except LaunchError:
+            continue
+        return base
+    raise SystemExit(f"no {count} consecutive free ports found between 20000 and 40000")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--width", type=int, default=2048)
@@ -117,6 +175,10 @@ def main() -> int:
     parser.add_argument("--bucket-mib", type=float, default=4.0)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument(
+        "--link-mbit", type=float, default=None,
+        help="limit each worker's sending to this many Mbit/s (tc on lo; root)",
+    )  # fmt: skip
     parser.add_argument("--json", default=None, help="also write the result here")
     parser.add_argument("--worker-settings", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -146,9 +208,12 @@ def main() -> int:
             gpus_per_worker=0,
         )
         print(f"{args.workers} workers measuring (about a minute) ...", file=sys.stderr)
-        done = run_local_job(
-            job, timeout_s=args.timeout, base_env=env, output_dir=tmp, log=lambda _: None
-        )
+        base = _port_base(args.workers)
+        with shaped_link(list(range(base, base + args.workers)), args.link_mbit):
+            done = run_local_job(
+                job, timeout_s=args.timeout, base_env=env, output_dir=tmp, log=lambda _: None,
+                port_base=base,
+            )  # fmt: skip
         if done.exit_code != 0 or not os.path.exists(out):
             for name in sorted(os.listdir(tmp)):
                 if name.endswith(".log"):
@@ -157,13 +222,15 @@ def main() -> int:
             return done.exit_code or 1
         with open(out) as handle:
             result = json.load(handle)
+    result["link_mbit"] = args.link_mbit
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=1)
     modes = result["modes"]
     packed = modes["packed"]
+    link = "loopback" if args.link_mbit is None else f"loopback shaped to {args.link_mbit:g} Mbit/s"
     print(
-        f"{result['replicas']} worker processes (gRPC, 127.0.0.1), gradients "
+        f"{result['replicas']} worker processes (gRPC, {link}), gradients "
         f"{result['gradient_bytes'] / 2**20:.1f} MiB, global batch {result['global_batch']}, "
         f"buckets {result['bucket_bytes'] / 2**20:g} MiB; step without all-reduce "
         f"{1000 * result['no_allreduce_step_s']:.1f} ms"
