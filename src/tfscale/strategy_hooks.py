@@ -3,6 +3,7 @@
 ``doctor --script`` records them; the workers ``tfscale launch`` starts check them. Both wrap
 ``tf.distribute.Strategy.__init__`` and ``run`` where TensorFlow defines them, once per
 process, and leave out the default (no-op) strategy TensorFlow makes per thread on demand.
+:func:`watch_fits` sees every ``keras.Model.fit`` call the same way (``doctor --script``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from tfscale.internals import DEFAULT_STRATEGY_CLASS
 
-__all__ = ["watch_strategies"]
+__all__ = ["watch_fits", "watch_strategies"]
 
 Built = Callable[[Any], None]
 Ran = Callable[[Any, Any], None]
@@ -54,3 +55,29 @@ def watch_strategies(built: Built | None = None, ran: Ran | None = None) -> None
         init_owner.__init__ = init  # type: ignore[misc]
     if ran is not None:
         run_owner.run = run  # type: ignore[attr-defined]
+
+
+Called = Callable[[Any, dict[str, Any]], None]
+
+
+def watch_fits(called: Called) -> None:
+    """Calls ``called(model, arguments)`` before each ``keras.Model.fit``, with the call's
+    arguments by name (``x``, ``validation_data``, ...); a prepared model's ``fit`` reaches
+    it with its inputs as tfscale hands them to Keras. ``called`` must not raise."""
+    import inspect
+
+    import keras
+
+    original: Callable[..., Any] = keras.Model.fit
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def fit(model: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            arguments = dict(signature.bind(model, *args, **kwargs).arguments)
+        except TypeError:
+            arguments = {}  # Keras reports the bad call itself
+        called(model, arguments)
+        return original(model, *args, **kwargs)
+
+    keras.Model.fit = fit

@@ -162,3 +162,26 @@ def test_a_repair_covers_the_variables_created_before_it_only() -> None:
     assert fixed.repaired_by == "tfscale.fix_scope at train.py:12" and late.repaired_by is None
     (problem,) = findings.problems
     assert "at train.py:20;" in problem and exit_status(findings) == 1
+
+
+def test_model_fit_over_a_pydataset_under_mirrored_is_reported_unless_prepared(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """TensorFlow can write into a generator's arrays under several replicas
+    (``training/data.copied_batches``): the doctor names the fit call, and a prepared model,
+    whose fit copies the batches, is fine."""
+    script = DATA / "fit_generator.py"
+    status = run_script([str(script.relative_to(ROOT))], timeout=150)
+    out = capsys.readouterr().out
+    assert status == 1, out
+    line = _line_of(script, "model.fit(Batches(x, y)")
+    assert (
+        f"model.fit at tests/doctor/data/fit_generator.py:{line} reads a PyDataset (training "
+        "data) under MirroredStrategy (2 replicas): TensorFlow can write into the arrays"
+    ) in " ".join(out.split())
+    assert "model = tfscale.prepare(model)" in out
+    status = run_script(
+        [str(script.relative_to(ROOT)), "--prepared"], json_output=True, timeout=150
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert status == 0 and report["ok"] and report["data_problems"] == [], report

@@ -15,7 +15,10 @@ findings behind:
   runs a step (a wrapper around ``Strategy.run``, which Keras ``fit`` and custom loops call);
 - ``repaired``: the variables ``tfscale.fix_scope`` replaced with a clone's, or
   ``tfscale.fit`` / ``prepare`` moved into the scope (:func:`tfscale.scope.watch_repairs`),
-  by the ``id`` their ``variable`` events carry.
+  by the ``id`` their ``variable`` events carry;
+- ``fit``: each ``keras.Model.fit`` call over a Python generator or ``keras.utils.PyDataset``
+  (training or validation data): the input's kind, the model's strategy and replicas, and
+  whether tfscale copies its batches (see ``training/data.copied_batches``).
 
 The replica devices are read from the outputs of ``Strategy.run`` rather than from
 ``tf.debugging.set_log_device_placement``: the strategy pins each replica's ops with a
@@ -38,7 +41,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from tfscale.script_runner import CPU_SPLIT, run_as_main, split_cpu_when_alone
-from tfscale.strategy_hooks import watch_strategies
+from tfscale.strategy_hooks import watch_fits, watch_strategies
 
 __all__ = ["DEMO_VIRTUAL_DEVICES", "main"]
 
@@ -117,6 +120,33 @@ def _hook_strategies(log: _EventLog) -> None:
     watch_strategies(built, ran)
 
 
+def _hook_fits(log: _EventLog) -> None:
+    """Records ``model.fit`` calls whose data goes through ``from_generator``."""
+    from tfscale.scope import creation_stack
+    from tfscale.training.data import generator_kind, is_copied
+
+    def called(model: Any, arguments: dict[str, Any]) -> None:
+        try:
+            inputs = {
+                name: generator_kind(arguments.get(name)) for name in ("x", "validation_data")
+            }
+            if not any(inputs.values()):
+                return
+            strategy = model.distribute_strategy
+            log.write(
+                "fit",
+                stack=list(creation_stack()),
+                inputs={name: kind for name, kind in inputs.items() if kind},
+                copied=all(is_copied(arguments.get(name)) for name, kind in inputs.items() if kind),
+                strategy=type(strategy).__name__,
+                replicas=int(strategy.num_replicas_in_sync),
+            )
+        except Exception:  # never let the instrumentation break the user's fit
+            return
+
+    watch_fits(called)
+
+
 def _has_device(value: Any) -> bool:
     try:
         return bool(getattr(value, "device", None) is not None)
@@ -164,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         log = _EventLog(handle)
         _configure_devices(log)
         _hook_strategies(log)
+        _hook_fits(log)
 
         from tfscale.scope import creation_stack, track_variable_creation, watch_repairs
 

@@ -111,6 +111,7 @@ class ScriptFindings:
     variables: tuple[VariableGroup, ...]
     problems: tuple[str, ...]
     stderr_tail: str
+    data_problems: tuple[str, ...] = ()
 
     @property
     def crashed(self) -> bool:
@@ -242,6 +243,28 @@ def _problems(
     return tuple(problems)
 
 
+def _data_problems(events: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
+    """One sentence per ``model.fit`` site that reads a generator or PyDataset under
+    several replicas without tfscale's copy (pure; see ``training/data.copied_batches``)."""
+    problems: dict[str, str] = {}
+    for event in events:
+        if event.get("kind") != "fit" or event.get("copied") or int(event["replicas"]) < 2:
+            continue
+        site = _site(event.get("stack") or ())
+        inputs = " and ".join(
+            f"a {kind} ({'training' if name == 'x' else 'validation'} data)"
+            for name, kind in event["inputs"].items()
+        )
+        problems.setdefault(
+            site,
+            f"model.fit at {site} reads {inputs} under {event['strategy']} "
+            f"({event['replicas']} replicas): TensorFlow can write into the arrays it returns "
+            "(from_generator aliases 64-byte-aligned numpy memory and the loss reuses the "
+            "first replica's share), so your data changes and later epochs train on it.",
+        )
+    return tuple(problems.values())
+
+
 def summarize(
     events: Sequence[Mapping[str, Any]],
     *,
@@ -280,15 +303,17 @@ def summarize(
         variables=groups,
         problems=_problems(strategies, groups),
         stderr_tail=stderr_tail,
+        data_problems=_data_problems(events),
     )
 
 
 def exit_status(findings: ScriptFindings) -> int:
     """The script's own status when it failed, else 1 with problems, else 0."""
+    found = findings.problems or findings.data_problems
     if findings.crashed:
         status = int(findings.exit_status or 1)
         return 128 - status if status < 0 else status  # killed by a signal
-    return 1 if findings.problems else 0
+    return 1 if found else 0
 
 
 _FIX = (
@@ -298,6 +323,11 @@ _FIX = (
     "        model = build_model()\n"
     "        model.compile(...)\n"
     "or repair a built model with model = tfscale.fix_scope(model, strategy)."
+)
+_DATA_FIX = (
+    "let tfscale copy each batch: model = tfscale.prepare(model) before model.fit, or "
+    "tfscale.fit(model, ...); or return copies from the generator (np.array(part)), or use "
+    "tf.data."
 )
 
 
@@ -380,6 +410,10 @@ def render(findings: ScriptFindings, console: Console) -> None:
         console.print(note)
     if findings.problems:
         console.print(f"Fix: {_FIX}", soft_wrap=True, highlight=False)
+    for problem in findings.data_problems:
+        console.print(f"[red]Problem:[/red] {problem}", soft_wrap=True, highlight=False)
+    if findings.data_problems:
+        console.print(f"Fix: {_DATA_FIX}", soft_wrap=True, highlight=False)
     elif any(s.replicas > 1 for s in findings.strategies):
         moved = sum(g.count for g in findings.variables if g.repaired_by)
         console.print(
@@ -468,7 +502,8 @@ def run_script(
             stderr_tail=_tail(stderr_path),
         )
     if json_output:
-        payload = {**asdict(findings), "crashed": findings.crashed, "ok": not findings.problems}
+        ok = not findings.problems and not findings.data_problems
+        payload = {**asdict(findings), "crashed": findings.crashed, "ok": ok}
         print(json.dumps(payload, indent=2))
     else:
         render(findings, Console())

@@ -32,6 +32,8 @@ __all__ = [
     "agreed_seed",
     "copied_batches",
     "distributed_input",
+    "generator_kind",
+    "is_copied",
     "is_dataset_fn",
     "num_workers",
     "plan_inputs",
@@ -119,6 +121,23 @@ def _copied_generator(source: Iterator[Any]) -> Iterator[Any]:
         yield _copy_arrays(batch)
 
 
+def generator_kind(data: Any) -> str | None:
+    """``"generator"`` or ``"PyDataset"`` for the inputs Keras reads through
+    ``from_generator`` (see :func:`copied_batches`); None for anything else."""
+    if isinstance(data, keras.utils.PyDataset):
+        return "PyDataset"
+    if isinstance(data, types.GeneratorType):
+        return "generator"
+    return None
+
+
+def is_copied(data: Any) -> bool:
+    """Whether ``data`` is one of :func:`copied_batches`'s copying wrappers."""
+    if isinstance(data, _CopiedPyDataset):
+        return True
+    return isinstance(data, types.GeneratorType) and data.gi_code is _copied_generator.__code__
+
+
 def copied_batches(data: Any, strategy: tf.distribute.Strategy) -> Any:
     """A Python generator or ``keras.utils.PyDataset`` whose batches' numpy arrays are
     copied, when ``strategy`` has several replicas; anything else as it is.
@@ -133,13 +152,10 @@ def copied_batches(data: Any, strategy: tf.distribute.Strategy) -> Any:
     array. Reproduced with TensorFlow alone (``tests/training/test_inputs.py``); Keras's
     own ``model.fit`` under the same strategy does it. A copy per batch costs one memcpy.
     """
-    if strategy.num_replicas_in_sync < 2:
+    kind = generator_kind(data)
+    if strategy.num_replicas_in_sync < 2 or kind is None or is_copied(data):
         return data
-    if isinstance(data, keras.utils.PyDataset):
-        return _CopiedPyDataset(data)
-    if isinstance(data, types.GeneratorType):
-        return _copied_generator(data)
-    return data
+    return _CopiedPyDataset(data) if kind == "PyDataset" else _copied_generator(data)
 
 
 def _plain_arrays(*parts: Any) -> bool:
