@@ -43,6 +43,7 @@ def test_script_building_model_outside_scope_is_reported_with_file_and_line(
     assert "The CPU was split into 2 logical devices" in out
     assert "MirroredStrategy never ran a step" in out
     assert "with strategy.scope():" in out and "tfscale.fix_scope(model, strategy)" in out
+    assert "OK:" not in out
 
 
 def test_script_building_model_inside_scope_passes_and_shows_replica_devices(
@@ -180,6 +181,8 @@ def test_model_fit_over_a_pydataset_under_mirrored_is_reported_unless_prepared(
         "data) under MirroredStrategy (2 replicas): TensorFlow can write into the arrays"
     ) in " ".join(out.split())
     assert "model = tfscale.prepare(model)" in out
+    # The model was built in the scope: the variables are fine, the data is the problem.
+    assert "OK: every variable was created inside the strategy's scope" in out
     status = run_script(
         [str(script.relative_to(ROOT)), "--prepared"], json_output=True, timeout=150
     )

@@ -139,7 +139,7 @@ def _one_hot_classifier() -> Any:
         (["--batch-per-replica", "0"], "batch_per_replica must be a whole number >= 1"),
         (["--warmup", "-1"], "warmup must be a whole number >= 0"),
         (["--model", "tests.profiling.test_bench:_one_hot_classifier"], "loss cannot take"),
-        (["--project", "64", "--gpus-per-node", "8"], "needs the link inside a node"),
+        (["--project", "64", "--gpus-per-node", "8"], "need the link inside the node"),
         (["--project", "64", "--interconnect", "carrier-pigeon"], "Unknown interconnect"),
     ],
     ids=[

@@ -16,7 +16,8 @@ from tfscale.testing import relative_difference
 from tfscale.training import Trainer
 
 from .helpers import CLASSES, DATA, FEATURES, batches, reference_weights, strategy_for, tiny_model
-from .parity.common import aligned
+from .parity.common import aligned, generator, regression, regressor
+from .parity.keras_io_cases import Batches
 
 
 def test_uncompiled_model_is_refused_with_a_snippet() -> None:
@@ -326,39 +327,6 @@ def test_one_distributed_iterator_serves_every_epoch_of_a_fit(
 
 
 # -- generator-backed inputs: TensorFlow writes into the user's arrays --------------------------
-class _Slices(keras.utils.PyDataset):  # type: ignore[misc]
-    """keras-io's PyDataset: batches that are views of the user's arrays."""
-
-    def __init__(self, x: np.ndarray, y: np.ndarray, batch: int) -> None:
-        super().__init__()
-        self.x, self.y, self.batch = x, y, batch
-
-    def __len__(self) -> int:
-        return -(-len(self.x) // self.batch)
-
-    def __getitem__(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        part = slice(index * self.batch, (index + 1) * self.batch)
-        return self.x[part], self.y[part]
-
-
-def _views(x: np.ndarray, y: np.ndarray, batch: int) -> Any:
-    for start in range(0, len(x), batch):
-        yield x[start : start + batch], y[start : start + batch]
-
-
-def _regression() -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(11)
-    x = rng.normal(size=(64, FEATURES)).astype("float32")
-    return x, (x @ rng.normal(size=(FEATURES, 1))).astype("float32")
-
-
-def _regressor() -> keras.Model:
-    keras.utils.set_random_seed(3)
-    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1)])
-    model.compile(keras.optimizers.SGD(0.05), "mse")
-    return model
-
-
 def test_tensorflow_writes_into_generator_arrays_under_mirrored_strategy() -> None:
     """The upstream bug :func:`tfscale.training.data.copied_batches` guards against, with
     TensorFlow alone: ``from_generator`` over views of 64-byte-aligned arrays, distributed
@@ -397,20 +365,20 @@ def test_generator_inputs_leave_the_users_arrays_unchanged_and_train_as_one_devi
     """Keras's model.fit under the same MirroredStrategy changes y in place (the bug
     above, through Keras); tfscale.fit, and model.fit of a prepared model, copy each batch
     and train as one device does on the untouched data."""
-    x0, y0 = _regression()
+    x0, y0 = regression(seed=11)
     strategy = strategy_for(2)
 
     def data(x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
         if kind == "generator":
-            return {"x": _views(x, y, 16)}
-        return {"x": _Slices(x, y, 16)}
+            return {"x": generator(x, y, 16)()}  # batches that are views of x and y
+        return {"x": Batches(x, y, 16)}  # keras-io's PyDataset of views
 
     epochs = 1 if kind == "generator" else 2  # a generator is read once
     with tf.device("/device:CPU:0"):
-        reference = _regressor()
+        reference = regressor()
         reference.fit(**data(x0.copy(), y0.copy()), epochs=epochs, shuffle=False, verbose=0)
     x, y = aligned(x0), aligned(y0)
-    model = _regressor()
+    model = regressor()
     if how == "prepare":
         prepared = tfscale.prepare(model, strategy)
         prepared.fit(**data(x, y), epochs=epochs, shuffle=False, verbose=0)
@@ -420,6 +388,6 @@ def test_generator_inputs_leave_the_users_arrays_unchanged_and_train_as_one_devi
     assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5
     x, y = aligned(x0), aligned(y0)
     with strategy.scope():
-        keras_model = _regressor()
+        keras_model = regressor()
     keras_model.fit(**data(x, y), epochs=epochs, shuffle=False, verbose=0)
     assert not np.array_equal(y, y0), "Keras under Mirrored no longer changes y: see above"

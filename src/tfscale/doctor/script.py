@@ -410,16 +410,16 @@ def render(findings: ScriptFindings, console: Console) -> None:
         console.print(note)
     if findings.problems:
         console.print(f"Fix: {_FIX}", soft_wrap=True, highlight=False)
-    for problem in findings.data_problems:
-        console.print(f"[red]Problem:[/red] {problem}", soft_wrap=True, highlight=False)
-    if findings.data_problems:
-        console.print(f"Fix: {_DATA_FIX}", soft_wrap=True, highlight=False)
     elif any(s.replicas > 1 for s in findings.strategies):
         moved = sum(g.count for g in findings.variables if g.repaired_by)
         console.print(
             "[green]OK:[/green] every variable was created inside the strategy's scope"
             + (f" or moved into it before training ({moved} moved)." if moved else ".")
         )
+    for problem in findings.data_problems:
+        console.print(f"[red]Problem:[/red] {problem}", soft_wrap=True, highlight=False)
+    if findings.data_problems:
+        console.print(f"Fix: {_DATA_FIX}", soft_wrap=True, highlight=False)
     if findings.timed_out:
         console.print(
             "[yellow]The script ran past the timeout and was stopped[/yellow]; "

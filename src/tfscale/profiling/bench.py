@@ -98,21 +98,11 @@ def profile(
     """
     links = None
     if project:
+        from tfscale.profiling.projection import check_links
         from tfscale.profiling.projection import interconnect as preset
 
         links = (preset(interconnect), preset(intra) if intra else None)
-        if gpus_per_node > 1 and intra is None:
-            # Known before measuring: refuse now, not after the sweep.
-            raise ProfileError(
-                explain(
-                    "--gpus-per-node > 1 needs the link inside a node for the projection.",
-                    received=f"--gpus-per-node {gpus_per_node} without --intra",
-                    allowed=", ".join(
-                        n for n in ("pcie3", "pcie4", "nvlink1", "nvlink2", "nvlink3", "nvlink4")
-                    ),
-                    fix=f"--intra nvlink4 --gpus-per-node {gpus_per_node}",
-                )
-            )
+        check_links(gpus_per_node, links[1])  # known before measuring: refuse now
     check_settings(
         replicas=replicas,
         batch_per_replica=batch_per_replica,

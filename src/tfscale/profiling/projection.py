@@ -32,6 +32,7 @@ __all__ = [
     "Interconnect",
     "Projection",
     "assumptions",
+    "check_links",
     "fit_alpha_beta",
     "hierarchical_allreduce_s",
     "interconnect",
@@ -169,6 +170,24 @@ class Projection:
     efficiency: float
 
 
+def check_links(per_node: int, intra: Interconnect | None) -> None:
+    """Several replicas per node need the link inside the node (pure; ``tfscale bench``
+    calls it before measuring, :func:`project` before projecting).
+
+    Raises:
+        ProfileError: ``per_node > 1`` without ``intra``.
+    """
+    if per_node > 1 and intra is None:
+        raise ProfileError(
+            explain(
+                "Several replicas per node need the link inside the node.",
+                received=f"--gpus-per-node {per_node} without --intra",
+                allowed=", ".join(INTERCONNECTS),
+                fix=f"--intra nvlink4 (or pcie4) --gpus-per-node {per_node}",
+            )
+        )
+
+
 def project(
     *,
     local_step_s: float,
@@ -215,14 +234,7 @@ def project(
                 fix="--project 8,64,512 --gpus-per-node 8",
             )
         )
-    if per_node > 1 and intra is None:
-        raise ProfileError(
-            explain(
-                "Several replicas per node need the link inside the node.",
-                received=f"per_node={per_node}, no intra interconnect",
-                fix="--intra nvlink4 (or pcie4)",
-            )
-        )
+    check_links(per_node, intra)
     size = gradient_bytes * compression
     rows = []
     for n in replicas:
