@@ -3,7 +3,8 @@
 ``doctor --script`` records them; the workers ``tfscale launch`` starts check them. Both wrap
 ``tf.distribute.Strategy.__init__`` and ``run`` where TensorFlow defines them, once per
 process, and leave out the default (no-op) strategy TensorFlow makes per thread on demand.
-:func:`watch_fits` sees every ``keras.Model.fit`` call the same way (``doctor --script``).
+:func:`watch_fits` sees every ``keras.Model.fit`` call the same way (``doctor --script``,
+``tfscale profile`` and the launcher's workers).
 """
 
 from __future__ import annotations
@@ -60,10 +61,17 @@ def watch_strategies(built: Built | None = None, ran: Ran | None = None) -> None
 Called = Callable[[Any, dict[str, Any]], None]
 
 
-def watch_fits(called: Called) -> None:
+def watch_fits(called: Called) -> Callable[[], None]:
     """Calls ``called(model, arguments)`` before each ``keras.Model.fit``, with the call's
-    arguments by name (``x``, ``validation_data``, ...); a prepared model's ``fit`` reaches
-    it with its inputs as tfscale hands them to Keras. ``called`` must not raise."""
+    arguments by name (``x``, ``validation_data``, ...; empty for a call Keras will reject
+    itself). ``fit`` then runs with them, so ``called`` may change them (``tfscale
+    profile`` adds a callback) or raise (the launcher's worker ends a script that trains
+    alone with ``SystemExit``). A prepared model's ``fit`` reaches it with its inputs as
+    tfscale hands them to Keras.
+
+    Returns:
+        The undo: puts back the ``fit`` this replaced.
+    """
     import inspect
 
     import keras
@@ -74,10 +82,15 @@ def watch_fits(called: Called) -> None:
     @functools.wraps(original)
     def fit(model: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            arguments = dict(signature.bind(model, *args, **kwargs).arguments)
+            bound = signature.bind(model, *args, **kwargs)
         except TypeError:
-            arguments = {}  # Keras reports the bad call itself
-        called(model, arguments)
-        return original(model, *args, **kwargs)
+            called(model, {})
+            return original(model, *args, **kwargs)  # Keras reports the bad call itself
+        called(model, bound.arguments)
+        return original(*bound.args, **bound.kwargs)
+
+    def undo() -> None:
+        keras.Model.fit = original
 
     keras.Model.fit = fit
+    return undo

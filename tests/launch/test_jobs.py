@@ -28,11 +28,13 @@ from tfscale.testing import mirrored_on_cpus, relative_difference
 _ROOT = Path(__file__).resolve().parents[2]
 _DATA = Path(__file__).parent / "data"
 _TIMEOUT = 420.0
-# Seed scripts a user brings unchanged, and what the job's last line must say for each.
+# Scripts a user brings unchanged (the seeds', and one written for one machine), and what
+# the job's last line must say for each.
 _SEEDS = {
     "seed000_mirrored": "its script built MirroredStrategy over this worker's devices only",
     "seed001_keras_fit": "Keras's model.fit fails under MultiWorkerMirroredStrategy",
     "seed003_op_first": "Collective ops must be configured at program startup",
+    "fit_alone": "model.fit ran under no distribution strategy",
 }
 
 
@@ -146,7 +148,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Job]]:
     started["keras"] = _start(
         "keras", ["-n", "2", keras_fit, "--out", str(root / "keras" / "w.npz")], root / "keras"
     )
-    for seed in _SEEDS:  # unchanged seed scripts: each must fail, saying why
+    for seed in _SEEDS:  # unchanged scripts: each must fail, saying why
         script_path = str(_DATA / f"{seed}.py")
         started[seed] = _start(seed, ["-n", "2", "--max-restarts", "2", script_path], root / seed)
     started["ps"] = _start(

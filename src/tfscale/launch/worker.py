@@ -99,13 +99,11 @@ class _Job:
         keras.optimizers.Optimizer.apply = apply
 
     def watch_fit(self) -> None:
-        import keras
         import tensorflow as tf
 
-        original = keras.Model.fit
+        from tfscale.strategy_hooks import watch_fits
 
-        @functools.wraps(original)
-        def fit(model: Any, *args: Any, **kwargs: Any) -> Any:
+        def called(model: Any, arguments: dict[str, Any]) -> None:
             if not tf.distribute.has_strategy() and model.distribute_strategy is (
                 tf.distribute.get_strategy()
             ):
@@ -114,9 +112,8 @@ class _Job:
                     "in a multi-worker strategy's scope), so it trained alone",
                     _FIX_STRATEGY,
                 )
-            return original(model, *args, **kwargs)
 
-        keras.Model.fit = fit
+        watch_fits(called)
 
     def explain_error(self, error: BaseException) -> None:
         from tfscale.errors import StrategyError

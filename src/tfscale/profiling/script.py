@@ -18,6 +18,7 @@ from typing import Any
 
 from tfscale.internals import dataset_batch_size
 from tfscale.script_runner import run_as_main, split_cpu_when_alone
+from tfscale.strategy_hooks import watch_fits
 
 __all__ = ["batch_size_of", "main", "run_script", "script_report"]
 
@@ -75,23 +76,18 @@ def _hook_fits(make: Callable[[int | None], Any]) -> Callable[[], None]:
     """Adds ``make(batch)`` to the callbacks of every ``keras.Model.fit`` and ``tfscale.fit``
     call (one per call: a ``model.fit`` inside ``tfscale.fit`` gets none of its own, the
     outer call knows the batch the user asked for). Returns the undo."""
-    import keras
-
     import tfscale
     import tfscale.training
 
     inside = [0]
-    keras_fit = keras.Model.fit
     tfscale_fit = tfscale.training.fit
 
-    @functools.wraps(keras_fit)
-    def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def called(model: Any, arguments: dict[str, Any]) -> None:
         if not inside[0]:
-            kwargs["callbacks"] = [
-                *(kwargs.get("callbacks") or []),
-                make(batch_size_of(args, kwargs)),
+            arguments["callbacks"] = [
+                *(arguments.get("callbacks") or []),
+                make(batch_size_of((), arguments)),
             ]
-        return keras_fit(self, *args, **kwargs)
 
     @functools.wraps(tfscale_fit)
     def fit_tfscale(model: Any, *args: Any, **kwargs: Any) -> Any:
@@ -102,11 +98,11 @@ def _hook_fits(make: Callable[[int | None], Any]) -> Callable[[], None]:
         finally:
             inside[0] -= 1
 
-    keras.Model.fit = fit
+    undo_keras = watch_fits(called)
     tfscale.fit = tfscale.training.fit = fit_tfscale  # type: ignore[attr-defined]
 
     def undo() -> None:
-        keras.Model.fit = keras_fit
+        undo_keras()
         tfscale.fit = tfscale.training.fit = tfscale_fit  # type: ignore[attr-defined]
 
     return undo
