@@ -15,4 +15,6 @@ def test_buckets_fill_from_the_last_value_backwards_until_the_size_is_reached() 
     assert buckets(values, None) == [[4, 3, 2, 0]]
     # A value larger than a bucket is never cut (cutting measured slower: docs/profiling.md).
     assert buckets([tf.zeros([1000])], 16) == [[0]]
+    # ... and a bucket of its own: the small values after it do not wait for it.
+    assert buckets([tf.zeros([2]), tf.zeros([1000]), tf.zeros([1])], 16) == [[2], [1], [0]]
     assert buckets([None], 16) == [] and buckets([None], None) == []

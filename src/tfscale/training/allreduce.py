@@ -96,7 +96,10 @@ def buckets(values: Sequence[Any], bucket_bytes: int | None) -> list[list[int]]:
     """Groups the indices of ``values`` (None skipped) into buckets, last values first.
 
     Each bucket holds consecutive values, in reverse order, until it reaches
-    ``bucket_bytes``; None puts everything in one bucket.
+    ``bucket_bytes``; a value of ``bucket_bytes`` or more is a bucket of its own (the
+    smaller values before it go in theirs, which starts before its gradient exists, and
+    it is all-reduced in place instead of copied into a buffer). None puts everything in
+    one bucket.
     """
     present = [i for i in reversed(range(len(values))) if values[i] is not None]
     if not bucket_bytes:
@@ -105,8 +108,12 @@ def buckets(values: Sequence[Any], bucket_bytes: int | None) -> list[list[int]]:
     current: list[int] = []
     size = 0
     for index in present:
+        nbytes = _nbytes(values[index])
+        if current and nbytes >= bucket_bytes:
+            out.append(current)
+            current, size = [], 0
         current.append(index)
-        size += _nbytes(values[index])
+        size += nbytes
         if size >= bucket_bytes:
             out.append(current)
             current, size = [], 0
