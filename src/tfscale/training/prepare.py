@@ -155,9 +155,7 @@ class Prepared:
         for optimizer in model_optimizers(self.model):
             update = distributed_update(optimizer, self.strategy)
             update.accumulation_steps = self.options.accumulation_steps
-            update.clipnorm = self.options.clipnorm
-            update.bucket_bytes = self.options.bucket_bytes
-            update.compression = self.options.gradient_compression
+            update.options = self.options
             out.append(update)
         return out
 
