@@ -164,7 +164,10 @@ def test_a_child_dropped_without_close_is_stopped() -> None:
     del child
     gc.collect()
     assert _gone(members, 10)
-    os.waitpid(guard, 0)  # the guard was this process's child: reap it
+    # The guard was this process's child: reap it (gone above, so this cannot block long).
+    deadline = time.monotonic() + 10
+    while os.waitpid(guard, os.WNOHANG) == (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def test_channel_carries_messages_to_a_worker_and_back() -> None:
