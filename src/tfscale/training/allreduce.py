@@ -5,7 +5,8 @@ collective per bucket, not one per weight. With ``bucket_bytes`` set, the gradie
 into buckets of about that size, filled from the last layer's gradient backwards: the
 backward pass computes those first, and each bucket's collective depends only on its own
 gradients, so TensorFlow's executor starts it while the earlier layers' gradients are still
-being computed (PyTorch DDP's buckets, without threads of our own). Without it, one packed
+being computed (PyTorch DDP's buckets, without threads of our own); a gradient of a
+bucket's size or more is reduced alone, in place, never cut. Without it, one packed
 collective waits for the whole backward pass, which costs the least per byte when a model is
 small (see ``choose_bucket_bytes``).
 

@@ -233,7 +233,8 @@ def fit(
             compile()'s choice.
         sync_batchnorm: Normalize with the whole global batch's statistics.
         bucket_bytes: All-reduce gradients in buckets of this many bytes, overlapped with the
-            backward pass; None packs them into one all-reduce (see :func:`tfscale.prepare`).
+            backward pass (a larger gradient is a bucket of its own); None packs them into
+            one all-reduce (see :func:`tfscale.prepare`).
         gradient_compression: ``"bf16"`` / ``"fp16"``: all-reduce dense gradients in it.
         checkpoint_dir: Folder (or :class:`CheckpointConfig`) to save to every epoch and
             every N steps, and to resume from, mid-epoch included.
