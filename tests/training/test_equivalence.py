@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -124,6 +126,36 @@ def test_a_short_last_batch_split_unevenly_is_still_the_single_device_mean() -> 
     tfscale.fit(model, batches(x, y, 32), strategy=strategy, verbose=0)
     expected = reference_weights(x, y, batch=32, steps=8, optimizer="adam")
     assert relative_difference(model.get_weights(), expected) <= 1e-5
+
+
+def _mean_of_batch(y: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
+    """Cross-entropy averaged by the loss itself: NaN (0 / 0) on a batch of no examples."""
+    losses = keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+    return tf.reduce_sum(losses) / tf.cast(tf.size(losses), losses.dtype)
+
+
+def test_replicas_left_without_examples_neither_stop_training_nor_poison_the_loss() -> None:
+    x, y = DATA
+    x, y = x[:226], y[:226]  # 7 batches of 32, then 2 examples: 1, 1, 0, 0 on 4 replicas
+    strategy = strategy_for(4)
+    model = tiny_model(strategy, "adam")
+    with strategy.scope():
+        model.compile(optimizer=model.optimizer, loss=_mean_of_batch)
+    history = tfscale.fit(model, batches(x, y, 32), strategy=strategy, verbose=0)
+    expected = reference_weights(x, y, batch=32, steps=8, optimizer="adam")
+    assert relative_difference(model.get_weights(), expected) <= 1e-5
+    # The epoch's loss is the mean over the 226 examples, as on one device; Keras's own
+    # fit under the same strategy reports NaN (its tracker weighs NaN by 0 examples).
+    reference = tiny_model(None, "adam")
+    reference.compile(optimizer=reference.optimizer, loss=_mean_of_batch)
+    one = reference.fit(batches(x, y, 32), verbose=0, shuffle=False)
+    loss = history.history["loss"][0]
+    assert np.isfinite(loss) and abs(loss - one.history["loss"][0]) <= 1e-5 * abs(loss)
+    keras_model = tiny_model(strategy, "adam")
+    with strategy.scope():
+        keras_model.compile(optimizer=keras_model.optimizer, loss=_mean_of_batch)
+    keras_history = keras_model.fit(batches(x, y, 32), verbose=0, shuffle=False)
+    assert np.isnan(keras_history.history["loss"][0])
 
 
 def test_a_global_batch_the_replicas_do_not_divide_is_the_single_device_mean() -> None:

@@ -34,7 +34,7 @@ from tfscale.errors import TrainingError, explain
 from tfscale.training.adopt import adopt, model_optimizers
 from tfscale.training.allreduce import Compression, check_compression
 from tfscale.training.data import copied_batches
-from tfscale.training.function import StepFunction
+from tfscale.training.function import StepFunction, example_count
 from tfscale.training.optimizer import DistributedUpdate, distributed_update
 from tfscale.training.precision import Precision, apply_policy, resolve_precision
 
@@ -147,6 +147,7 @@ class Prepared:
         internals.override(model, "make_test_function", self.make_test_function)
         internals.override(model, "_maybe_symbolic_build", self.symbolic_build)
         internals.override(model, "fit", self.fit)
+        internals.override(model, "compute_loss", self.compute_loss)
 
     # -- state ---------------------------------------------------------------------------
     def updates(self) -> list[DistributedUpdate]:
@@ -196,6 +197,22 @@ class Prepared:
             if name in bound.arguments:
                 bound.arguments[name] = copied_batches(bound.arguments[name], self.strategy)
         return fit(*bound.args, **bound.kwargs)
+
+    def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
+        """Keras's ``compute_loss`` of the model (its class's), 0 on a replica with no examples.
+
+        A short last batch leaves replicas without examples (2 examples on 4 replicas: 1, 1,
+        0, 0). A loss that averages by itself (``tf.reduce_mean`` in a custom loss) is NaN
+        there (0 / 0), and Keras's loss tracker, which weighs each replica's loss by its
+        examples, turns NaN * 0 into a NaN loss for the epoch: Keras's ``model.fit`` reports
+        it, and tfscale's non-finite guard would stop training over an update that was
+        right (that replica's gradient weighs 0: ``optimizer._weighted``).
+        """
+        loss = type(self.model).compute_loss(self.model, *args, **kwargs)
+        x = args[0] if args else kwargs.get("x")
+        if loss is None or x is None:
+            return loss
+        return tf.where(example_count((x,)) > 0, loss, tf.zeros_like(loss))
 
     def make_test_function(self, force: bool = False) -> Any:
         """Keras's ``make_test_function``, building tfscale's :class:`StepFunction`."""
