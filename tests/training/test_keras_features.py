@@ -302,6 +302,24 @@ def test_terminate_on_nan_stops_and_returns_the_history_instead_of_raising() -> 
         )  # fmt: skip
 
 
+def _mse_plus_log_of_smallest_label(y_true: Any, y_pred: Any) -> Any:
+    """NaN where a label is negative, through a term with no gradient."""
+    penalty = tf.stop_gradient(tf.math.log(tf.reduce_min(y_true)))
+    return keras.losses.mean_squared_error(y_true, y_pred) + penalty
+
+
+def test_a_nan_loss_with_a_finite_gradient_is_reported_as_applied() -> None:
+    x, y = _data()
+    y = np.abs(y) + 0.1
+    y[40] = -1.0  # the third batch of 16: its loss is NaN, its gradient finite
+    model = _compiled(_regressor(), loss=_mse_plus_log_of_smallest_label)
+    with pytest.raises(tfscale.NonFiniteLossError, match="the update was applied") as info:
+        tfscale.fit(model, x, y, batch_size=16, shuffle=False, strategy=strategy_for(2), verbose=0)
+    assert "at batch 2 of this epoch, but its gradient was finite" in str(info.value)
+    assert int(model.optimizer.iterations.numpy()) >= 3
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
 # -- reuse of compiled functions -----------------------------------------------------------------
 def test_a_second_fit_reuses_the_compiled_functions() -> None:
     x, y = _data()

@@ -59,13 +59,24 @@ class NonFiniteGuard(keras.callbacks.Callback):  # type: ignore[misc]
         skipped = self._seen if self._update is None else int(self._update.skipped.numpy())
         if (loss is None or math.isfinite(value)) and skipped == self._seen:
             return
-        update = int(self.model.optimizer.iterations.numpy()) + 1
-        what = "training loss" if not math.isfinite(value) else "gradient"
+        applied = int(self.model.optimizer.iterations.numpy())
+        if self._update is not None and skipped == self._seen:
+            # Only the reported loss is non-finite (e.g. an added loss with no gradient):
+            # the gradients were finite, so the updates went on until this guard saw it.
+            what = (
+                f"The training loss became NaN or infinite at batch {batch} of this epoch, "
+                f"but its gradient was finite: the update was applied, and training stopped "
+                f"after optimizer update {applied}."
+            )
+        else:
+            what = (
+                f"The {'training loss' if not math.isfinite(value) else 'gradient'} became "
+                f"NaN or infinite at optimizer update {applied + 1} (batch {batch} of this "
+                "epoch); that update was not applied and training stopped."
+            )
         raise NonFiniteLossError(
             explain(
-                f"The {what} became NaN or infinite at optimizer update {update} "
-                f"(batch {batch} of this epoch); that update was not applied and training "
-                "stopped.",
+                what,
                 received=f"loss={value}",
                 fix="lower the learning rate, pass clipnorm=1.0, use "
                 'mixed_precision="bf16" instead of "fp16", and check the data for NaN '
