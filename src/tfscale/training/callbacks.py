@@ -28,7 +28,9 @@ class NonFiniteGuard(keras.callbacks.Callback):  # type: ignore[misc]
     so the model stays as it was before it. That lets this guard run off the training thread
     (``async_safe``: Keras then does not wait for each step's logs, which would cost about a
     millisecond a step on small models); its error reaches ``fit`` a few steps later, with the
-    number of the bad update. ``tfscale.fit`` adds it unless the user passed
+    number of the bad update. A non-finite loss whose gradient was finite (a term without
+    gradient) is no reason to skip: those updates are applied, and the error says so.
+    ``tfscale.fit`` adds it unless the user passed
     ``keras.callbacks.TerminateOnNaN``, which stops quietly.
 
     Args:
