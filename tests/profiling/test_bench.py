@@ -97,6 +97,9 @@ def test_dominant_communication_across_workers_advice_and_verify() -> None:
     shares = point.breakdown.shares
     assert shares["communication"] == max(shares.values()), shares
     assert report.advice[0].key in ("accumulate", "larger-batch"), report.advice
+    # Across processes the all-reduce crosses a link: bf16 compression is advised too.
+    compress = next(a for a in report.advice if a.key == "compress-gradients")
+    assert compress.change == {"gradient_compression": "bf16"} and compress.predicted_speedup > 1
     verification = report.verification
     assert verification is not None and verification["key"] == report.advice[0].key
     # The advice is applied and measured, and helps. How close the prediction comes is a
@@ -104,6 +107,25 @@ def test_dominant_communication_across_workers_advice_and_verify() -> None:
     # processes it varied from 4% to 38%, so it is not asserted here.
     assert verification["measured_speedup"] > 1.0 and verification["predicted_speedup"] > 1.0
     assert verification["relative_error"] >= 0.0
+
+
+def test_verify_measures_advised_gradient_compression() -> None:
+    from tfscale.profiling.advice import Facts, advise
+    from tfscale.profiling.bench import verify_advice
+    from tfscale.profiling.harness import resolve_workload
+    from tfscale.profiling.steptime import Breakdown
+    from tfscale.profiling.sweep import devices_for, ensure_devices
+
+    kind, _ = ensure_devices(2, cluster=False)
+    facts = Facts(
+        Breakdown(0.020, 0.0, 0.010, 0.010, 32), replicas=2, batch_per_replica=16, over_a_link=True
+    )
+    advice = [a for a in advise(facts) if a.key == "compress-gradients"]
+    result = verify_advice(
+        resolve_workload(_small_model, None), devices_for(kind), facts, advice, steps=4, warmup=1
+    )
+    assert result is not None and result["change"] == {"gradient_compression": "bf16"}
+    assert result["measured_speedup"] > 0 and result["predicted_speedup"] == pytest.approx(0.020 / 0.015)
 
 
 def test_workers_need_an_importable_model_and_report_a_failing_worker() -> None:

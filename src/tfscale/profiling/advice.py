@@ -29,6 +29,10 @@ SHARED_COMPUTE_GROWTH = 1.25
 # Assumed speedups of the compute part where nothing here measured them (labelled in the text).
 BF16_COMPUTE_SPEEDUP = 2.0
 XLA_COMPUTE_SPEEDUP = 1.15
+# Exposed communication after / before gradient_compression="bf16": half the bytes. Measured
+# 0.486-0.499x over 1 Gbit/s and 400 Mbit/s links between 2 worker processes
+# (benchmarks/allreduce_modes.py, docs/profiling.md).
+COMPRESSED_COMMUNICATION = 0.5
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,10 @@ class Facts:
         bf16_available: The hardware has fast bfloat16 matrix units.
         precision: ``"float32"`` or a mixed policy.
         jit_compile: Whether the step is compiled with XLA.
+        over_a_link: The all-reduce crosses a link (between GPUs or worker processes), where
+            its time follows its bytes; between CPU devices of one process it is a copy in
+            memory, which halving the bytes with casts does not speed up.
+        gradient_compression: The measured step's ``gradient_compression`` (None: float32).
     """
 
     breakdown: Breakdown
@@ -67,6 +75,8 @@ class Facts:
     bf16_available: bool = False
     precision: str = "float32"
     jit_compile: bool = False
+    over_a_link: bool = False
+    gradient_compression: str | None = None
 
 
 @dataclass(frozen=True)
@@ -75,7 +85,8 @@ class Advice:
 
     Attributes:
         key: Stable identifier (``"input-pipeline"``, ``"accumulate"``, ``"larger-batch"``,
-            ``"fewer-replicas"``, ``"shared-compute"``, ``"bf16"``, ``"xla"``).
+            ``"fewer-replicas"``, ``"shared-compute"``, ``"compress-gradients"``, ``"bf16"``,
+            ``"xla"``).
         severity: ``"high"`` or ``"medium"``.
         text: What to do, why, and the predicted effect, in one paragraph.
         predicted_speedup: Predicted examples/s after / before.
@@ -232,6 +243,37 @@ def batch_rule(facts: Facts) -> Advice | None:
     )
 
 
+def compression_rule(facts: Facts) -> Advice | None:
+    """Exposed communication above 3% / 15% over a link, in float32: all-reduce in bfloat16."""
+    b = facts.breakdown
+    share = b.shares["communication"]
+    severity = _severity(share, COMMUNICATION_SHARE)
+    if (
+        severity is None
+        or facts.replicas < 2
+        or not facts.over_a_link
+        or facts.gradient_compression is not None
+    ):
+        return None
+    after_s = b.communication_s * COMPRESSED_COMMUNICATION
+    step = b.step_s - b.communication_s + after_s
+    gain = b.step_s / step
+    return Advice(
+        "compress-gradients",
+        severity,
+        f"Exposed communication: the float32 gradient all-reduce adds "
+        f"{b.communication_s * 1e3:.1f} ms to every step ({_percent(share)}). "
+        "tfscale.fit(..., gradient_compression='bf16') sends half the bytes (the summed "
+        "gradient is rounded to bfloat16: weights stay within about 1e-2 of float32's, "
+        f"docs/training.md): exposed communication {_percent(share)} -> "
+        f"{_percent(after_s / step)} of the step, predicted {gain:.2f}x examples/s (half "
+        "the time, as measured over links: docs/profiling.md).",
+        gain,
+        {"gradient_compression": "bf16"},
+        {"communication": after_s / step},
+    )
+
+
 def replicas_rule(facts: Facts) -> Advice | None:
     """More replicas than physical cores or GPUs, and fewer replicas measured faster."""
     if facts.replicas <= facts.physical_devices:
@@ -343,6 +385,7 @@ RULES: tuple[Callable[[Facts], Advice | None], ...] = (
     input_rule,
     accumulation_rule,
     batch_rule,
+    compression_rule,
     replicas_rule,
     shared_compute_rule,
     bf16_rule,

@@ -430,7 +430,8 @@ def _measure(
             collectives=results,
             notes=_NOTES,
         )
-        facts = facts_for(report, jit_compile=jit_compile)
+        # Between GPUs or worker processes the all-reduce's time follows its bytes.
+        facts = facts_for(report, jit_compile=jit_compile, over_a_link=kind == "GPU" or cluster)
         advice = advise(facts)
         verification = None
         if verify:
@@ -467,8 +468,9 @@ def _gradient_sizes(workload: Workload) -> list[int]:
     return [int(np.prod(v.shape)) * 4 for v in workload.build().trainable_variables]
 
 
-def facts_for(report: Report, *, jit_compile: bool = False) -> Facts:
-    """The facts advice judges, from a report's measurements."""
+def facts_for(report: Report, *, jit_compile: bool = False, over_a_link: bool = False) -> Facts:
+    """The facts advice judges, from a report's measurements (``over_a_link``: see
+    :class:`Facts`)."""
     point = report.advised_point()
     by_replicas = {
         p.replicas: p.examples_per_s
@@ -507,6 +509,7 @@ def facts_for(report: Report, *, jit_compile: bool = False) -> Facts:
         accumulation_cost=accumulation_cost,
         bf16_available=bf16_available(report.device_kind),
         jit_compile=jit_compile,
+        over_a_link=over_a_link,
     )
 
 
@@ -556,6 +559,7 @@ def verify_advice(
         "batch_per_replica": facts.batch_per_replica,
         "accumulation": facts.accumulation,
         "jit_compile": jit_compile,
+        "gradient_compression": facts.gradient_compression,
     }
     changed = {**base, **chosen.change}
     steps_ = [
@@ -565,6 +569,7 @@ def verify_advice(
             config["batch_per_replica"],
             accumulation=config["accumulation"],
             jit_compile=bool(config["jit_compile"]),
+            gradient_compression=config["gradient_compression"],
         )
         for config in (base, changed)
     ]
