@@ -15,7 +15,7 @@ from typing import Any
 
 from tfscale.internals import DEFAULT_STRATEGY_CLASS
 
-__all__ = ["watch_fits", "watch_strategies"]
+__all__ = ["call_by_name", "watch_fits", "watch_strategies"]
 
 Built = Callable[[Any], None]
 Ran = Callable[[Any, Any], None]
@@ -61,6 +61,28 @@ def watch_strategies(built: Built | None = None, ran: Ran | None = None) -> None
 Called = Callable[[Any, dict[str, Any]], None]
 
 
+def call_by_name(
+    function: Callable[..., Any],
+    model: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    change: Callable[[dict[str, Any]], None],
+) -> Any:
+    """``function(model, *args, **kwargs)`` after ``change(arguments)``, which sees the call's
+    arguments by name and may replace them (empty when the call does not bind: ``function``
+    then reports the bad call itself). ``watch_fits`` and a prepared model's ``fit`` both
+    go through it."""
+    import inspect
+
+    try:
+        bound = inspect.signature(function).bind(model, *args, **kwargs)
+    except TypeError:
+        change({})
+        return function(model, *args, **kwargs)
+    change(bound.arguments)
+    return function(*bound.args, **bound.kwargs)
+
+
 def watch_fits(called: Called) -> Callable[[], None]:
     """Calls ``called(model, arguments)`` before each ``keras.Model.fit``, with the call's
     arguments by name (``x``, ``validation_data``, ...; empty for a call Keras will reject
@@ -72,22 +94,13 @@ def watch_fits(called: Called) -> Callable[[], None]:
     Returns:
         The undo: puts back the ``fit`` this replaced.
     """
-    import inspect
-
     import keras
 
     original: Callable[..., Any] = keras.Model.fit
-    signature = inspect.signature(original)
 
     @functools.wraps(original)
     def fit(model: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            bound = signature.bind(model, *args, **kwargs)
-        except TypeError:
-            called(model, {})
-            return original(model, *args, **kwargs)  # Keras reports the bad call itself
-        called(model, bound.arguments)
-        return original(*bound.args, **bound.kwargs)
+        return call_by_name(original, model, args, kwargs, lambda named: called(model, named))
 
     def undo() -> None:
         keras.Model.fit = original

@@ -125,8 +125,36 @@ def test_verify_measures_advised_gradient_compression() -> None:
         resolve_workload(_small_model, None), devices_for(kind), facts, advice, steps=4, warmup=1
     )
     assert result is not None and result["change"] == {"gradient_compression": "bf16"}
+    assert result["measured"]["changed"]["gradient_compression"] == "bf16"
+    assert result["measured"]["baseline"]["gradient_compression"] is None
     assert result["measured_speedup"] > 0
     assert result["predicted_speedup"] == pytest.approx(0.020 / 0.015)  # 20 ms -> 15 ms
+
+
+def _seeded_model() -> Any:
+    import keras
+
+    keras.utils.set_random_seed(11)
+    return _small_model()
+
+
+def test_a_measured_step_all_reduces_in_the_compression_it_is_given() -> None:
+    """What --verify measures for compress-gradients: the same updates as float32 but for
+    bfloat16 rounding of the summed gradient (0.0 apart would mean float32 ran)."""
+    from tfscale.profiling.harness import MeasuredStep, resolve_workload
+    from tfscale.profiling.sweep import devices_for, ensure_devices
+    from tfscale.testing import relative_difference
+
+    kind, _ = ensure_devices(2, cluster=False)
+    workload = resolve_workload(_seeded_model, None)
+    weights = []
+    for compression in (None, None, "bf16"):
+        step = MeasuredStep(workload, devices_for(kind)[:2], 16, gradient_compression=compression)
+        for _ in range(3):
+            step.with_reduce()
+        weights.append(step.model.get_weights())
+    assert relative_difference(weights[1], weights[0]) == 0.0  # deterministic
+    assert 0.0 < relative_difference(weights[2], weights[0]) <= 2e-2
 
 
 def test_workers_need_an_importable_model_and_report_a_failing_worker() -> None:

@@ -332,29 +332,41 @@ def test_tensorflow_writes_into_generator_arrays_under_mirrored_strategy() -> No
     TensorFlow alone: ``from_generator`` over views of 64-byte-aligned arrays, distributed
     over 2 replicas and read inside a tf.function, as Keras reads it; ``t - 1`` writes
     into the first replica's rows of the caller's array. If this fails, TensorFlow no
-    longer aliases them and the copy in ``copied_batches`` can go."""
+    longer aliases them and the copy in ``copied_batches`` can go.
+
+    Whether TensorFlow may reuse a buffer is decided at run time, and under load a batch
+    is sometimes left alone (one run in the suite saw fewer than 4 batches written): each
+    attempt must write into the first replica's rows only, and one of 3 into all of them.
+    """
     original = np.arange(1, 65, dtype="float32").reshape(64, 1)
-    y = aligned(original)
-
-    def generate() -> Any:
-        for start in range(0, 64, 16):
-            yield y[start : start + 16]
-
     strategy = strategy_for(2)
-    dataset = tf.data.Dataset.from_generator(
-        generate, output_signature=tf.TensorSpec((None, 1), tf.float32)
-    )
-    iterator = iter(strategy.experimental_distribute_dataset(dataset))
+    first_replica = [b + r for b in range(0, 64, 16) for r in range(8)]
+    written = []
+    for _ in range(3):
+        y = aligned(original)
 
-    @tf.function
-    def step(iterator: Any) -> Any:
-        return strategy.run(lambda t: tf.reduce_sum(tf.square(t - 1.0)), args=(next(iterator),))
+        def generate(y: np.ndarray = y) -> Any:
+            for start in range(0, 64, 16):
+                yield y[start : start + 16]
 
-    for _ in range(4):
-        step(iterator)
-    changed = np.flatnonzero(y != original)
+        dataset = tf.data.Dataset.from_generator(
+            generate, output_signature=tf.TensorSpec((None, 1), tf.float32)
+        )
+        iterator = iter(strategy.experimental_distribute_dataset(dataset))
+
+        @tf.function
+        def step(iterator: Any) -> Any:
+            return strategy.run(lambda t: tf.reduce_sum(tf.square(t - 1.0)), args=(next(iterator),))
+
+        for _ in range(4):
+            step(iterator)
+        changed = np.flatnonzero(y != original).tolist()
+        assert set(changed) <= set(first_replica), changed
+        written.append(changed)
+        if changed == first_replica:
+            break
     # Rows 0-7 of each batch of 16: the first replica's share.
-    assert changed.tolist() == [b + r for b in range(0, 64, 16) for r in range(8)]
+    assert written[-1] == first_replica, written
 
 
 @pytest.mark.parametrize("how", ["tfscale.fit", "prepare"])

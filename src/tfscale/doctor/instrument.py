@@ -123,13 +123,11 @@ def _hook_strategies(log: _EventLog) -> None:
 def _hook_fits(log: _EventLog) -> None:
     """Records ``model.fit`` calls whose data goes through ``from_generator``."""
     from tfscale.scope import creation_stack
-    from tfscale.training.data import generator_kind, is_copied
+    from tfscale.training.data import COPIED_FIT_ARGUMENTS, generator_kind, is_copied
 
     def called(model: Any, arguments: dict[str, Any]) -> None:
         try:
-            inputs = {
-                name: generator_kind(arguments.get(name)) for name in ("x", "validation_data")
-            }
+            inputs = {name: generator_kind(arguments.get(name)) for name in COPIED_FIT_ARGUMENTS}
             if not any(inputs.values()):
                 return
             strategy = model.distribute_strategy

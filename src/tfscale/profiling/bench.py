@@ -583,6 +583,7 @@ def verify_advice(
     return {
         "key": chosen.key,
         "change": chosen.change,
+        "measured": {"baseline": base, "changed": changed},
         "skipped_not_automatic": skipped,
         "predicted_speedup": chosen.predicted_speedup,
         "measured_speedup": measured,

@@ -27,6 +27,7 @@ import tensorflow as tf
 from tfscale import internals
 
 __all__ = [
+    "COPIED_FIT_ARGUMENTS",
     "EpochOrder",
     "KerasInputs",
     "agreed_seed",
@@ -79,6 +80,11 @@ def distributed_input(data: Any, strategy: tf.distribute.Strategy) -> Any:
         return data(context).filter(lambda *_: True)
 
     return strategy.distribute_datasets_from_function(unknown_length)
+
+
+# The arguments of Model.fit whose generators and PyDatasets :func:`copied_batches` copies
+# (a prepared model's fit) and the doctor checks (doctor/instrument.py): one list for both.
+COPIED_FIT_ARGUMENTS = ("x", "validation_data")
 
 
 def _copy_arrays(batch: Any) -> Any:

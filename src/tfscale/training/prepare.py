@@ -22,7 +22,6 @@ when they do not change.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -31,9 +30,10 @@ import tensorflow as tf
 
 from tfscale import internals
 from tfscale.errors import TrainingError, explain
+from tfscale.strategy_hooks import call_by_name
 from tfscale.training.adopt import adopt, model_optimizers
 from tfscale.training.allreduce import Compression, check_compression
-from tfscale.training.data import copied_batches
+from tfscale.training.data import COPIED_FIT_ARGUMENTS, copied_batches
 from tfscale.training.function import StepFunction, example_count
 from tfscale.training.optimizer import DistributedUpdate, distributed_update
 from tfscale.training.precision import Precision, apply_policy, resolve_precision
@@ -188,15 +188,13 @@ class Prepared:
         """Keras's ``fit`` of the model (its class's, whatever patches it), with the
         training and validation batches of generators and PyDatasets copied (see
         :func:`tfscale.training.data.copied_batches`)."""
-        fit = type(self.model).fit
-        try:
-            bound = inspect.signature(fit).bind(self.model, *args, **kwargs)
-        except TypeError:
-            return fit(self.model, *args, **kwargs)  # Keras's own error for a bad call
-        for name in ("x", "validation_data"):
-            if name in bound.arguments:
-                bound.arguments[name] = copied_batches(bound.arguments[name], self.strategy)
-        return fit(*bound.args, **bound.kwargs)
+
+        def copy(arguments: dict[str, Any]) -> None:
+            for name in COPIED_FIT_ARGUMENTS:
+                if name in arguments:
+                    arguments[name] = copied_batches(arguments[name], self.strategy)
+
+        return call_by_name(type(self.model).fit, self.model, args, kwargs, copy)
 
     def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
         """Keras's ``compute_loss`` of the model (its class's), 0 on a replica with no examples.
