@@ -1,16 +1,29 @@
-"""Test session set-up: 4 logical CPU devices for the whole pytest process.
+"""Test session set-up: TensorFlow, when a test imports it, gets 4 logical CPU devices.
 
-TensorFlow fixes its devices once per process, so they are configured here, before any test
-can start the runtime. Tests pick 1, 2 or 4 of them for their strategies; tests that need a
-fresh runtime or several workers use ``tfscale.testing.run_python``.
+Importing the test package does not import TensorFlow: pure tests (advice, scheduler, hostlist,
+projection, the launcher's decisions) never pay its start-up. The first ``import tensorflow``
+of the pytest process, wherever it comes from, splits the CPU into 4 logical devices before
+the runtime starts (through tfscale's import hook, ``tfscale/tf_import.py``), so tests pick 1,
+2 or 4 of them. Tests that need another layout, a fresh runtime or several workers run code in
+a child process (``tfscale.testing.run_python``).
+
+Markers say what a test needs (``tests/README.md``): a test that imports TensorFlow in the
+test process is marked ``tf``, one that starts a child process ``multiprocess``; an unmarked
+test that does either fails here, so ``make check`` (``-m "not tf and not multiprocess"``)
+stays fast and honest.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.pop("TF_CONFIG", None)
@@ -18,11 +31,68 @@ os.environ.pop("TFSCALE_VIRTUAL_DEVICES", None)
 
 import pytest
 
-import tfscale
+from tfscale import tf_import
 from tfscale.testing import child_pids
 
 NUM_TEST_DEVICES = 4
-tfscale.use_virtual_devices(NUM_TEST_DEVICES)
+
+
+def _split_cpu() -> None:
+    # Runs once TensorFlow has finished importing and before any op starts its runtime. It
+    # calls TensorFlow directly: tfscale.devices may be the module whose import is running.
+    tf = sys.modules["tensorflow"]
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(NUM_TEST_DEVICES)]
+    )
+
+
+tf_import.on_import(_split_cpu)
+
+# A module whose source marks all its tests as needing TensorFlow, read without importing it.
+_MODULE_MARK = re.compile(r"^pytestmark\s*=.*\bpytest\.mark\.tf\b", re.MULTILINE)
+
+
+def _deselects_tf(config: pytest.Config) -> bool:
+    expression = config.getoption("markexpr") or ""
+    return bool(re.search(r"\bnot\s+tf\b", expression))
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under ``-m "not tf"`` a test module marked ``tf`` as a whole is not even imported, so
+    collecting the fast tier never imports TensorFlow."""
+    if collection_path.suffix == ".py" and _deselects_tf(config):
+        try:
+            if _MODULE_MARK.search(collection_path.read_text(encoding="utf-8")):
+                return True
+        except OSError:
+            return None
+    return None
+
+
+@pytest.fixture(autouse=True)
+def _needs_are_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Fails a test that imports TensorFlow without the ``tf`` marker, and stops one that
+    starts a child process without the ``multiprocess`` marker before the child starts."""
+    marks = {mark.name for mark in request.node.iter_markers()}
+    if "multiprocess" not in marks:
+
+        def refuse(*args: Any, **kwargs: Any) -> None:
+            raise AssertionError(
+                f"{request.node.nodeid} starts a child process: mark it "
+                "@pytest.mark.multiprocess (tests/README.md)"
+            )
+
+        monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+        monkeypatch.setattr(os, "fork", refuse)
+    had_tf = "tensorflow" in sys.modules
+    yield
+    if not had_tf and "tensorflow" in sys.modules and "tf" not in marks:
+        pytest.fail(
+            f"{request.node.nodeid} imported TensorFlow: mark it @pytest.mark.tf or "
+            "`pytestmark = pytest.mark.tf` (tests/README.md)",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(autouse=True)
@@ -48,5 +118,5 @@ def _no_leftovers() -> Iterator[None]:
 
 @pytest.fixture
 def cpu_devices() -> list[str]:
-    """The names of the session's logical CPU devices."""
+    """The names of the session's logical CPU devices (the test imports TensorFlow)."""
     return [f"/device:CPU:{i}" for i in range(NUM_TEST_DEVICES)]
