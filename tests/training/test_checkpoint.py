@@ -14,6 +14,8 @@ from tfscale.training import CheckpointConfig
 
 from .helpers import DATA, strategy_for, tiny_model
 
+pytestmark = pytest.mark.tf
+
 EPOCHS = 4
 
 
