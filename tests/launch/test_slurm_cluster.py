@@ -100,7 +100,7 @@ def _sbatch(cluster: SlurmCluster, job: _Job, env: dict[str, str], *options: str
 def jobs(slurm_cluster: SlurmCluster) -> Iterator[dict[str, _Job]]:
     cluster = slurm_cluster
     root = cluster.root / "jobs"
-    names = ("srun", "sbatch", "restart", "failing", "seed000")
+    names = ("srun", "sbatch", "restart", "failing", "seed000", "seed000-sbatch")
     ports = free_port_bases(len(names), 2)
     made = {}
     for name, port in zip(names, ports, strict=True):
@@ -139,6 +139,20 @@ def jobs(slurm_cluster: SlurmCluster) -> Iterator[dict[str, _Job]]:
         "--crash-once-at",
         "1:5",
     )
+    alone = made["seed000-sbatch"]
+    _sbatch(
+        cluster,
+        alone,
+        env,
+        *single_node,
+        "--port",
+        str(alone.port),
+        "--name",
+        "alone",
+        "--max-restarts",
+        "1",
+        str(_DATA / "seed000_mirrored.py"),
+    )
     failing_script = made["failing"].folder / "failing.py"
     failing_script.write_text(_FAILING)
     launch = ["tfscale", "launch", "--slurm", "--port"]
@@ -155,7 +169,7 @@ def jobs(slurm_cluster: SlurmCluster) -> Iterator[dict[str, _Job]]:
             job.returncode = child.wait(max(1.0, deadline - time.monotonic()))
             job.output = (job.folder / "srun.out").read_text(errors="replace")
             job.stderr = (job.folder / "srun.err").read_text(errors="replace")
-        for job in (sbatch, restart):
+        for job in (sbatch, restart, alone):
             job.fields = cluster.wait_job(job.job_id, max(1.0, deadline - time.monotonic()))
             out = job.folder / f"{job.fields.get('JobName')}-{job.job_id}.out"
             job.output = out.read_text(errors="replace") if out.exists() else ""
@@ -266,10 +280,28 @@ def test_script_that_trains_alone_exits_78_with_the_reason_last(
     jobs: dict[str, _Job], slurm_cluster: SlurmCluster
 ) -> None:
     job = jobs["seed000"]
-    assert job.returncode == 78, (job.output, job.stderr[-3000:])
+    # 78 from both tasks, or 143 where Slurm stopped one before it got there.
+    assert job.returncode in (78, 128 + 15), (job.output, job.stderr[-3000:])
+    assert "Exited with exit code 78" in job.stderr
     lines = [line for line in job.stderr.splitlines() if line.startswith("tfscale launch:")]
     assert lines, job.stderr[-3000:]
     assert "Slurm task" in lines[-1] and "MirroredStrategy over this worker's devices" in lines[-1]
     assert "Fix:" in lines[-1]
     assert "Traceback" not in job.output + job.stderr
+    _assert_nothing_left(slurm_cluster, job)
+
+
+def test_sbatch_does_not_restart_a_script_that_trains_alone(
+    jobs: dict[str, _Job], slurm_cluster: SlurmCluster
+) -> None:
+    job = jobs["seed000-sbatch"]
+    assert job.fields["JobState"] == "FAILED", (job.fields, job.output[-3000:])
+    assert job.fields["ExitCode"] == "78:0"
+    reasons = [line for line in job.output.splitlines() if line.startswith("tfscale launch:")]
+    assert reasons and "MirroredStrategy over this worker's devices" in reasons[0]
+    assert job.output.strip().splitlines()[-1] == (
+        "tfscale: a worker did not train with the others (why: above); not restarting"
+    )
+    assert "job step failed" not in job.output  # one attempt of 2
+    assert not list(job.folder.glob(".tfscale-*"))  # the verdicts' folder is removed
     _assert_nothing_left(slurm_cluster, job)
