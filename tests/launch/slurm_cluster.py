@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -350,6 +351,6 @@ def tfscale_bin(folder: Path) -> Path:
     console script does), for ``PATH`` in jobs: the sbatch script calls ``tfscale``."""
     folder.mkdir(parents=True, exist_ok=True)
     command = folder / "tfscale"
-    command.write_text(f'#!/bin/sh\nexec {sys.executable} -m tfscale.cli.main "$@"\n')
+    command.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m tfscale.cli.main "$@"\n')
     command.chmod(0o755)
     return folder
