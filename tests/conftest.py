@@ -121,17 +121,12 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         yield
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
-    with _needs_are_marked(item):
-        yield
-
-
 @contextlib.contextmanager
 def _needs_are_marked(item: pytest.Item) -> Iterator[None]:
-    """While a test and its fixtures (of every scope) run: refuses ``import tensorflow`` if
+    """While a test and its fixtures (of every scope) are set up and run: refuses ``import tensorflow`` if
     the test is not marked ``tf``, and starting a child process if it is not marked
-    ``multiprocess``, each with an error naming the marker."""
+    ``multiprocess``, each with an error naming the marker. Teardown is not watched: a
+    session fixture (the Slurm cluster's daemons) is torn down after whichever test ran last."""
     marks = {mark.name for mark in item.iter_markers()}
     saved = (subprocess.Popen._execute_child, os.fork)  # type: ignore[attr-defined]
     if "multiprocess" not in marks:

@@ -265,6 +265,7 @@ def test_unknown_gradient_compression_is_refused() -> None:
         )
 
 
+@pytest.mark.multiprocess
 def test_several_steps_per_call_under_mirroreds_default_collective_all_reduce() -> None:
     """Keras's own fit fails there with steps_per_execution > 1 ("You must feed a value for
     placeholder tensor"); in a fresh process, because a second collective MirroredStrategy

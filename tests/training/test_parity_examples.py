@@ -58,6 +58,8 @@ with open(sys.argv[1] + ".json", "w") as handle:
 """
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_cases_across_two_worker_processes_match_one_device(tmp_path: Path) -> None:
     """8 cases trained by 2 worker processes (MultiWorkerMirroredStrategy, one CPU each),
     each checked against one-device model.fit with the case's own checks."""
