@@ -5,6 +5,7 @@ silent no-op, a raw TensorFlow error mid-epoch, or an error after the first epoc
 from __future__ import annotations
 
 import os
+import uuid
 from typing import Any
 
 import numpy as np
@@ -139,37 +140,68 @@ def check_validation(x: Any, validation_data: Any) -> None:
             )
 
 
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else type(error).__name__)[:300]
+
+
 def check_checkpoint_dir(directory: str) -> None:
-    """A folder that is a file, lies under a file, or cannot be written.
+    """Proves ``directory`` can hold checkpoints: creates it (and the folders above it) and
+    a file in it, which is removed again.
+
+    Permission bits do not prove a folder writable (root passes ``os.access`` on ``/proc``,
+    a read-only mount, a full disk); the first save would only fail after the first epoch
+    or ``every_steps`` updates, with TensorFlow's raw ``NotFoundError``. Writing through
+    ``tf.io.gfile`` tries the file system the checkpoint will use (``gs://`` included).
 
     Raises:
-        TrainingError: The folder cannot hold checkpoints.
+        TrainingError: The folder cannot hold checkpoints (it names the folder).
     """
-    path = os.path.abspath(directory)
-    probe = path
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    if os.path.exists(probe) and not os.path.isdir(probe):
+    remote = "://" in directory
+    path = directory if remote else os.path.abspath(directory)
+    if not remote:
+        probe = path
+        while not os.path.exists(probe):
+            parent = os.path.dirname(probe)
+            if parent == probe:
+                break
+            probe = parent
+        if os.path.exists(probe) and not os.path.isdir(probe):
+            raise TrainingError(
+                explain(
+                    f"checkpoint_dir {path} cannot be created: "
+                    + ("it is a file." if probe == path else f"{probe} is a file."),
+                    received=f"checkpoint_dir={directory!r}",
+                    allowed="a folder (created if missing) under existing folders",
+                    fix="choose another folder, e.g. checkpoint_dir='ckpt/'",
+                )
+            )
+        if not os.access(probe, os.W_OK | os.X_OK):
+            raise TrainingError(
+                explain(
+                    f"checkpoint_dir {path} cannot be written: {probe} is not writable by "
+                    "this user.",
+                    received=f"checkpoint_dir={directory!r}",
+                    fix="choose a folder you can write, or fix its permissions",
+                )
+            )
+    created = not tf.io.gfile.exists(path)
+    test_file = f"{path.rstrip('/')}/.tfscale-write-test-{uuid.uuid4().hex}"
+    try:
+        tf.io.gfile.makedirs(path)
+        with tf.io.gfile.GFile(test_file, "w") as handle:
+            handle.write("tfscale checks that checkpoints can be written here\n")
+        tf.io.gfile.remove(test_file)
+    except (OSError, tf.errors.OpError) as error:
         raise TrainingError(
             explain(
-                "checkpoint_dir cannot be created: "
-                + ("it is a file." if probe == path else f"{probe} is a file."),
-                received=f"checkpoint_dir={directory!r}",
-                allowed="a folder (created if missing) under existing folders",
-                fix="choose another folder, e.g. checkpoint_dir='ckpt/'",
+                f"checkpoint_dir {path} cannot be "
+                + ("created." if created and not tf.io.gfile.isdir(path) else "written."),
+                received=f"checkpoint_dir={directory!r}: {_first_line(error)}",
+                allowed="a folder this process can create and write files in",
+                fix="choose a folder on a writable disk, e.g. checkpoint_dir='ckpt/'",
             )
-        )
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise TrainingError(
-            explain(
-                f"checkpoint_dir cannot be written: {probe} is not writable by this user.",
-                received=f"checkpoint_dir={directory!r}",
-                fix="choose a folder you can write, or fix its permissions",
-            )
-        )
+        ) from None
 
 
 def check_pipeline_batches(model: Any, x: Any, batch_size: int | None) -> None:
