@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfscale.errors import TrainingError, explain
-from tfscale.training.callbacks import ExactSteps, NonFiniteGuard, is_chief
+from tfscale.training.callbacks import ExactSteps, is_chief
 from tfscale.training.checkpoint import (
     CheckpointCallback,
     CheckpointConfig,
@@ -124,17 +124,6 @@ def _expected_end_of_data(config: CheckpointConfig | None, unknown_length: bool)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Your input ran out of data")
         yield
-
-
-@contextlib.contextmanager
-def _halt_released(update: Any) -> Iterator[None]:
-    """Keras skips on_train_end when fit raises: a later model.fit must not stay halted
-    (``NonFiniteGuard``)."""
-    try:
-        yield
-    finally:
-        update.halt_on_nonfinite.assign(0)
-        update.halted.assign(0)
 
 
 @contextlib.contextmanager
@@ -324,10 +313,7 @@ def fit(
     # A callback that asks for them (tfscale.ProfileCallback) reads the train function's
     # per-call fetch and step seconds.
     state.time_steps(any(getattr(c, "tfscale_wants_timings", False) for c in callback_list))
-    if not any(isinstance(c, keras.callbacks.TerminateOnNaN) for c in callback_list):
-        loss_scaled = isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
-        # Under loss scaling skipping an overflow is the normal course (the scale adapts).
-        callback_list.append(NonFiniteGuard(None if loss_scaled else state.update))
+    # The prepared model's fit adds the non-finite guard (callbacks.guarded).
     callback_list.append(ExactSteps())
     if config is not None:
         callback_list.insert(0, CheckpointCallback(config, strategy, data_seed=seed))
@@ -336,7 +322,6 @@ def fit(
     with (
         _steps_per_execution(model, steps_per_execution),
         _expected_end_of_data(config, inputs.unknown_length),
-        _halt_released(state.update),
     ):
         history: keras.callbacks.History = model.fit(
             epochs=epochs,

@@ -14,7 +14,9 @@ intercepts where Keras is wrong under a strategy, on this model instance only:
   (``function.py``), and the model's symbolic build takes one replica's batch, which is what
   breaks ``model.fit`` under MultiWorkerMirroredStrategy (keras-team/keras#20585);
 - ``fit`` copies the batches of Python generators and ``keras.utils.PyDataset``s under
-  several replicas, which TensorFlow otherwise writes into (``data.copied_batches``).
+  several replicas, which TensorFlow otherwise writes into (``data.copied_batches``), and
+  stops with ``NonFiniteLossError`` at an update it skipped as not finite, as
+  ``tfscale.fit`` does (``callbacks.guarded``; ``TerminateOnNaN`` stops quietly).
 
 ``prepare`` is idempotent: a second call updates the options and keeps compiled functions
 when they do not change.
@@ -33,6 +35,7 @@ from tfscale.errors import TrainingError, explain
 from tfscale.strategy_hooks import call_by_name
 from tfscale.training.adopt import adopt, model_optimizers
 from tfscale.training.allreduce import Compression, check_compression
+from tfscale.training.callbacks import guarded, halt_released
 from tfscale.training.data import COPIED_FIT_ARGUMENTS, copied_batches
 from tfscale.training.function import StepFunction, example_count
 from tfscale.training.optimizer import DistributedUpdate, distributed_update
@@ -187,14 +190,20 @@ class Prepared:
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         """Keras's ``fit`` of the model (its class's, whatever patches it), with the
         training and validation batches of generators and PyDatasets copied (see
-        :func:`tfscale.training.data.copied_batches`)."""
+        :func:`tfscale.training.data.copied_batches`), and a non-finite update stopping it
+        with ``NonFiniteLossError`` as under ``tfscale.fit`` (``callbacks.guarded``; Keras's
+        ``TerminateOnNaN`` among the callbacks stops quietly instead)."""
 
         def copy(arguments: dict[str, Any]) -> None:
             for name in COPIED_FIT_ARGUMENTS:
                 if name in arguments:
                     arguments[name] = copied_batches(arguments[name], self.strategy)
+            if arguments:
+                arguments["callbacks"] = guarded(arguments.get("callbacks"), self.model, update)
 
-        return call_by_name(type(self.model).fit, self.model, args, kwargs, copy)
+        update = self.update
+        with halt_released(update):
+            return call_by_name(type(self.model).fit, self.model, args, kwargs, copy)
 
     def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
         """Keras's ``compute_loss`` of the model (its class's), 0 on a replica with no examples.
