@@ -115,7 +115,7 @@ class NonFiniteGuard(keras.callbacks.Callback):  # type: ignore[misc]
             explain(
                 what,
                 received=f"loss={value}",
-                fix="lower the learning rate, pass clipnorm=1.0, use "
+                fix="lower the learning rate, pass global_clipnorm=1.0, use "
                 'mixed_precision="bf16" instead of "fp16", and check the data for NaN '
                 "or infinite values (tf.debugging.check_numerics). To stop without an "
                 "error, pass callbacks=[keras.callbacks.TerminateOnNaN()].",

@@ -16,10 +16,61 @@ from tfscale.errors import TrainingError, explain
 __all__ = [
     "check_batch_size",
     "check_checkpoint_dir",
+    "check_global_clipnorm",
     "check_inputs",
     "check_pipeline_batches",
     "check_validation",
+    "python_int",
 ]
+
+
+def python_int(value: Any) -> Any:
+    """A NumPy integer as a Python ``int`` (``model.fit`` takes both); any other value as it
+    is, for the checks to judge."""
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
+
+
+def check_global_clipnorm(global_clipnorm: Any, clipnorm: Any = None) -> float | None:
+    """``global_clipnorm`` as a float (None: no clipping); the old name refused.
+
+    tfscale clips the all-reduced gradient by its global norm, which Keras calls
+    ``global_clipnorm``; Keras's ``clipnorm`` clips each variable's gradient on its own. The
+    option was called ``clipnorm``: it is refused rather than given Keras's meaning, which
+    would change what an existing call does without a word.
+
+    Raises:
+        TrainingError: ``clipnorm`` given, or ``global_clipnorm`` not a positive number.
+    """
+    if clipnorm is not None:
+        raise TrainingError(
+            explain(
+                "clipnorm= is not a tfscale option: tfscale clips the all-reduced gradient by "
+                "its global norm, which Keras calls global_clipnorm (Keras's clipnorm clips "
+                "each variable's gradient on its own).",
+                received=f"clipnorm={clipnorm!r}",
+                allowed="global_clipnorm=<float > 0>, or clipnorm on the optimizer",
+                fix=f"global_clipnorm={clipnorm!r} to clip by the global norm, or compile "
+                f"with keras.optimizers.Adam(clipnorm={clipnorm!r}) to clip each variable "
+                "(tfscale applies the optimizer's clipping to the all-reduced gradient)",
+            )
+        )
+    if global_clipnorm is None:
+        return None
+    if (
+        isinstance(global_clipnorm, (bool, np.bool_))
+        or not isinstance(global_clipnorm, (int, float, np.integer, np.floating))
+        or not global_clipnorm > 0
+    ):
+        raise TrainingError(
+            explain(
+                "global_clipnorm must be positive.",
+                received=f"global_clipnorm={global_clipnorm!r}",
+                allowed="a float > 0, or None for no clipping",
+            )
+        )
+    return float(global_clipnorm)
 
 
 def check_batch_size(name: str, value: object) -> None:

@@ -34,7 +34,7 @@ _DEFAULTS: Mapping[str, object] = {
     "accumulation_steps": 1,
     "steps_per_execution": 1,
     "mixed_precision": None,
-    "clipnorm": None,
+    "global_clipnorm": None,
     "remat": False,
     "jit_compile": False,
     "validation_data": None,

@@ -30,9 +30,11 @@ from tfscale.training.checkpoint import (
 from tfscale.training.checks import (
     check_batch_size,
     check_checkpoint_dir,
+    check_global_clipnorm,
     check_inputs,
     check_pipeline_batches,
     check_validation,
+    python_int,
 )
 from tfscale.training.coordinator import fit_with_coordinator, is_parameter_server
 from tfscale.training.data import agreed_seed, plan_inputs
@@ -172,13 +174,14 @@ def fit(
     accumulation_steps: int = 1,
     steps_per_execution: int | None = None,
     mixed_precision: str | None = None,
-    clipnorm: float | None = None,
+    global_clipnorm: float | None = None,
     remat: bool = False,
     jit_compile: bool | None = None,
     sync_batchnorm: bool = False,
     bucket_bytes: int | None = None,
     gradient_compression: str | None = None,
     checkpoint_dir: str | CheckpointConfig | None = None,
+    clipnorm: None = None,
 ) -> keras.callbacks.History:
     """Trains a compiled Keras model over every replica of a strategy, as ``model.fit`` would
     on one device.
@@ -216,7 +219,8 @@ def fit(
         accumulation_steps: Batches per optimizer update (see :func:`tfscale.prepare`).
         steps_per_execution: Steps per compiled call for this fit; None keeps compile()'s.
         mixed_precision: None, ``"bf16"`` or ``"fp16"``.
-        clipnorm: Clip the all-reduced gradient to this global norm.
+        global_clipnorm: Clip the all-reduced gradient to this global norm (Keras's
+            ``global_clipnorm``, applied after the all-reduce).
         remat: Recompute activations in the backward pass to save memory.
         jit_compile: XLA for each replica's forward and backward pass; None keeps
             compile()'s choice.
@@ -227,17 +231,33 @@ def fit(
         gradient_compression: ``"bf16"`` / ``"fp16"``: all-reduce dense gradients in it.
         checkpoint_dir: Folder (or :class:`CheckpointConfig`) to save to every epoch and
             every N steps, and to resume from, mid-epoch included.
+        clipnorm: Refused with a ``TrainingError``: the global-norm clip is
+            ``global_clipnorm``, as in Keras, where ``clipnorm`` clips each variable (set
+            that on the optimizer: ``keras.optimizers.Adam(clipnorm=1.0)``).
 
     Returns:
         The ``keras.callbacks.History`` of the run.
 
     Raises:
         TrainingError: The model is not compiled, or an argument is invalid (the message
-            says which and how to fix it).
+            says which and how to fix it); also a ``ValueError``, as Keras's.
         NonFiniteLossError: The loss became NaN or infinite (the update number is given);
             with a ``keras.callbacks.TerminateOnNaN`` among the callbacks, training stops
             instead and the History is returned.
     """
+    # NumPy integers are taken wherever model.fit takes them.
+    (
+        batch_size, epochs, initial_epoch, steps_per_epoch, validation_steps,
+        validation_batch_size, validation_freq, verbose, accumulation_steps,
+        steps_per_execution, bucket_bytes,
+    ) = (
+        python_int(value) for value in (
+            batch_size, epochs, initial_epoch, steps_per_epoch, validation_steps,
+            validation_batch_size, validation_freq, verbose, accumulation_steps,
+            steps_per_execution, bucket_bytes,
+        )
+    )  # fmt: skip
+    global_clipnorm = check_global_clipnorm(global_clipnorm, clipnorm)
     _check_epochs(epochs, initial_epoch)
     x, y, sample_weight = _from_data(data, x, y, sample_weight)
     check_model(model)
@@ -269,7 +289,7 @@ def fit(
             accumulation_steps=accumulation_steps,
             steps_per_execution=steps_per_execution or 1,
             mixed_precision=mixed_precision,
-            clipnorm=clipnorm,
+            global_clipnorm=global_clipnorm,
             remat=remat,
             jit_compile=bool(jit_compile),
             validation_data=validation_data,
@@ -281,7 +301,7 @@ def fit(
         model,
         strategy,
         accumulation_steps=accumulation_steps,
-        clipnorm=clipnorm,
+        global_clipnorm=global_clipnorm,
         mixed_precision=mixed_precision,
         remat=remat,
         jit_compile=jit_compile,
