@@ -10,6 +10,8 @@ progress bar on the chief worker only, ``dataset_fn`` inputs, and ParameterServe
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import os
 import warnings
 from collections.abc import Iterator, Sequence
@@ -36,11 +38,21 @@ from tfscale.training.checks import (
     check_validation,
     python_int,
 )
-from tfscale.training.coordinator import fit_with_coordinator, is_parameter_server
+from tfscale.training.coordinator import (
+    fit_with_coordinator,
+    is_parameter_server,
+    refuse_unsupported,
+)
 from tfscale.training.data import agreed_seed, plan_inputs
 from tfscale.training.prepare import check_model, prepare, prepared, resolve_strategy
 
 __all__ = ["fit"]
+
+
+@functools.cache
+def _defaults() -> dict[str, Any]:
+    """``fit``'s default of each argument."""
+    return {name: p.default for name, p in inspect.signature(fit).parameters.items()}
 
 
 def _checkpoint_config(checkpoint_dir: Any) -> CheckpointConfig | None:
@@ -245,6 +257,7 @@ def fit(
             with a ``keras.callbacks.TerminateOnNaN`` among the callbacks, training stops
             instead and the History is returned.
     """
+    arguments = dict(locals())  # every argument by name, for ParameterServerStrategy's check
     # NumPy integers are taken wherever model.fit takes them.
     (
         batch_size, epochs, initial_epoch, steps_per_epoch, validation_steps,
@@ -272,10 +285,16 @@ def fit(
     elif validation_data is not None:
         check_pipeline_batches(model, validation_data, None)
     strategy = resolve_strategy(model, strategy)
+    parameter_server = is_parameter_server(strategy)
+    if parameter_server:
+        # Every argument the coordinator loop does not honour is refused here, by name,
+        # before any work (the checkpoint folder is not even created).
+        arguments.update(x=x, y=y, sample_weight=sample_weight)
+        refuse_unsupported(arguments, _defaults())
     config = _checkpoint_config(checkpoint_dir)
     if config is not None:
         check_checkpoint_dir(config.directory)
-    if is_parameter_server(strategy):
+    if parameter_server:
         return fit_with_coordinator(
             model,
             x if y is None else (x, y) if sample_weight is None else (x, y, sample_weight),
@@ -286,16 +305,9 @@ def fit(
             callbacks=callbacks,
             checkpoint_dir=None if config is None else config.directory,
             verbose=verbose,
-            accumulation_steps=accumulation_steps,
-            steps_per_execution=steps_per_execution or 1,
-            mixed_precision=mixed_precision,
-            global_clipnorm=global_clipnorm,
-            remat=remat,
-            jit_compile=bool(jit_compile),
-            validation_data=validation_data,
-            sync_batchnorm=sync_batchnorm,
-            bucket_bytes=bucket_bytes,
-            gradient_compression=gradient_compression,
+            initial_epoch=initial_epoch,
+            shuffle=shuffle,
+            max_to_keep=2 if config is None else config.max_to_keep,
         )
     prepare(
         model,
