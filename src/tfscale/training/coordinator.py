@@ -159,7 +159,7 @@ def refuse_unsupported(
             received=", ".join(f"{name}={_short(options[name])}" for name in refused),
             allowed=", ".join(sorted(HONOURED)) + " (x: arrays, a tf.data.Dataset or a "
             "dataset_fn; checkpoints at epoch ends)",
-            fix=fixes,
+            fix="for each argument:" + fixes,
         )
     )
 
