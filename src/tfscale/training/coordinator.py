@@ -10,8 +10,10 @@ asynchronously, each on batches of its own copy of the dataset::
 
 Updates are asynchronous, so the result does not equal a single-device run step for step
 (that is what the synchronous strategies are for); it trains the same model on the same
-data. Options that need a synchronous all-reduce are refused with a TrainingError that
-names them (:func:`unsupported_options`).
+data. Each ``tfscale.fit`` argument is honoured (``HONOURED``) or, set to a value that uses
+it, refused before any work with a TrainingError naming it and its fix
+(:func:`refuse_unsupported`): the options that need a synchronous all-reduce, validation,
+``class_weight``, and any argument ``fit`` gains before this loop learns it.
 """
 
 from __future__ import annotations
