@@ -72,8 +72,12 @@ class ScopeError(TfscaleError):
     """A model's variables are not distributed by the strategy it is used with."""
 
 
-class TrainingError(TfscaleError):
-    """``tfscale.fit`` received inputs or settings it cannot train with."""
+class TrainingError(TfscaleError, ValueError):
+    """``tfscale.fit`` received inputs or settings it cannot train with.
+
+    Also a ``ValueError``, which Keras's ``model.fit`` raises for its arguments, so that an
+    ``except ValueError`` written around ``model.fit`` keeps working around ``tfscale.fit``.
+    """
 
 
 class NonFiniteLossError(TrainingError):
