@@ -286,6 +286,43 @@ def test_replica_count_scaling_off() -> None:
         assert float(module.scale_loss_for_distribution(tf.constant(4.0))) == 2.0
 
 
+def test_watch_gradient_targets_sees_the_target_and_keeps_the_gradient() -> None:
+    _require(tf.GradientTape, "gradient", "watch_gradient_targets", "training.loop")
+    seen: list[Any] = []
+
+    def watcher(target: Any, sources: Any) -> None:
+        seen.append((target, sources))
+
+    internals.watch_gradient_targets(watcher)
+    internals.watch_gradient_targets(watcher)  # installed and registered once
+    variable = tf.Variable(3.0)
+    with tf.GradientTape() as tape:
+        loss = variable * variable
+    assert float(tape.gradient(loss, variable)) == 6.0
+    assert len(seen) == 1 and seen[0][0] is loss and seen[0][1] is variable
+
+
+def test_watch_loss_reductions_records_keras_and_tf_nn_reductions() -> None:
+    module = internals.keras_loss_module()
+    _require(module, "scale_loss_for_distribution", "watch_loss_reductions", "training.loop")
+    _require(tf.nn, "compute_average_loss", "watch_loss_reductions", "training.loop")
+    _require(tf.nn, "scale_regularization_loss", "watch_loss_reductions", "training.loop")
+    seen: list[str] = []
+    internals.watch_loss_reductions(lambda name, output, args, kwargs: seen.append(name))
+    strategy = mirrored_on_cpus(2)
+
+    def replica() -> Any:
+        mean = keras.losses.MeanSquaredError()(tf.zeros((2, 1)), tf.ones((2, 1)))
+        average = tf.nn.compute_average_loss(tf.ones(2))
+        return mean, average, tf.nn.scale_regularization_loss(tf.constant(2.0))
+
+    mean, average, regularization = strategy.run(replica)
+    # What the originals return: a Keras mean divided by 2 replicas, 2 / (2 * 2), 2 / 2.
+    values = [strategy.experimental_local_results(v)[0] for v in (mean, average, regularization)]
+    assert [float(v) for v in values] == [0.5, 0.5, 1.0]
+    assert {"keras_scale", "compute_average_loss", "scale_regularization_loss"} <= set(seen)
+
+
 def test_strategy_supports_no_merge_call() -> None:
     _require(tf.__internal__.distribute, "strategy_supports_no_merge_call",
              "strategy_supports_no_merge_call", "training.optimizer")  # fmt: skip

@@ -17,6 +17,7 @@ TensorFlow-free (the doctor's parent side uses it). Nothing else in tfscale outs
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -58,6 +59,8 @@ __all__ = [
     "train_validation_split",
     "uses_default_step",
     "variable_strategy",
+    "watch_gradient_targets",
+    "watch_loss_reductions",
     "xplane_pb2",
 ]
 
@@ -316,6 +319,83 @@ def replica_count_scaling_off() -> Iterator[None]:
 
 def _identity(value: Any) -> Any:
     return value
+
+
+_WATCH_LOCK = threading.Lock()
+_GRADIENT_WATCHERS: list[Callable[[Any, Any], None]] = []
+_REDUCTION_WATCHERS: list[Callable[[str, Any, Any, dict[str, Any]], None]] = []
+
+
+def watch_gradient_targets(callback: Callable[[Any, Any], None]) -> None:
+    """Calls ``callback(target, sources)`` before every ``tf.GradientTape.gradient``.
+
+    Installed once (a wrapper of the method on ``tf.GradientTape``, kept for the process);
+    each callback is registered once. A custom training loop computes its loss in the user's
+    code: this is where tfscale sees which loss a replica differentiates
+    (``training/conventions.py``), so that the distributed update can weigh the gradient
+    as one device's. TensorFlow has no public hook on a tape's target. A callback that
+    raises stops the ``gradient`` call with its error.
+    """
+    import tensorflow as tf
+
+    with _WATCH_LOCK:
+        if callback not in _GRADIENT_WATCHERS:
+            _GRADIENT_WATCHERS.append(callback)
+        tape = tf.GradientTape
+        if getattr(tape.gradient, "_tfscale_watched", False):
+            return
+        original = tape.gradient
+
+        def gradient(self: Any, target: Any, sources: Any, *args: Any, **kwargs: Any) -> Any:
+            for watcher in list(_GRADIENT_WATCHERS):
+                watcher(target, sources)
+            return original(self, target, sources, *args, **kwargs)
+
+        gradient._tfscale_watched = True  # type: ignore[attr-defined]
+        gradient.__doc__ = original.__doc__
+        tape.gradient = gradient  # type: ignore[method-assign]
+
+
+def watch_loss_reductions(callback: Callable[[str, Any, Any, dict[str, Any]], None]) -> None:
+    """Calls ``callback(name, output, args, kwargs)`` after each loss reduction that scales
+    by the replica count or the global batch.
+
+    ``name`` is ``"keras_scale"`` (``keras.src.losses.loss.scale_loss_for_distribution``,
+    which a Keras ``Loss`` object's mean goes through: divided by the replica count),
+    ``"compute_average_loss"`` or ``"scale_regularization_loss"`` (``tf.nn``'s). Installed
+    once, as wrappers that return what the original returns; the module attributes are
+    replaced, which is how user code and Keras's ``reduce_values`` look them up.
+    (``replica_count_scaling_off`` saves and restores whichever function is installed.)
+    """
+    import tensorflow as tf
+
+    with _WATCH_LOCK:
+        if callback not in _REDUCTION_WATCHERS:
+            _REDUCTION_WATCHERS.append(callback)
+        module = keras_loss_module()
+        targets = [
+            (module, "scale_loss_for_distribution", "keras_scale"),
+            (tf.nn, "compute_average_loss", "compute_average_loss"),
+            (tf.nn, "scale_regularization_loss", "scale_regularization_loss"),
+        ]
+        for owner, attribute, name in targets:
+            original = getattr(owner, attribute)
+            if getattr(original, "_tfscale_watched", False):
+                continue
+            setattr(owner, attribute, _reduction_wrapper(original, name))
+
+
+def _reduction_wrapper(original: Callable[..., Any], name: str) -> Callable[..., Any]:
+    def reduction(*args: Any, **kwargs: Any) -> Any:
+        output = original(*args, **kwargs)
+        for watcher in list(_REDUCTION_WATCHERS):
+            watcher(name, output, args, kwargs)
+        return output
+
+    reduction._tfscale_watched = True  # type: ignore[attr-defined]
+    reduction.__doc__ = original.__doc__
+    reduction.__name__ = getattr(original, "__name__", name)
+    return reduction
 
 
 # -- TensorFlow -----------------------------------------------------------------------------
