@@ -1,0 +1,61 @@
+"""The custom loops of ``loops.py`` under ``tfscale launch -n 2`` (MultiWorkerMirroredStrategy
+over 2 worker processes, collective all-reduce over gRPC), each with its one
+``tfscale.prepare_loop`` line, give one device's weights: the tutorial's loop (a model
+without ``Input`` and Adam, both built by the first replica step, which fails unprepared
+under the collective all-reduce), the Keras guide's and the users' loop."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tfscale.testing import relative_difference
+
+from .helpers import DATA, strategy_for
+from .loops import guide_loop, images, tutorial_loop, user_loop
+
+pytestmark = [pytest.mark.tf, pytest.mark.multiprocess, pytest.mark.slow]
+
+_ROOT = Path(__file__).resolve().parents[2]
+_JOB = Path(__file__).parent / "data" / "custom_loops_job.py"
+
+
+def _weights(path: Path) -> list[np.ndarray]:
+    with np.load(path) as data:
+        return [data[f"arr_{i}"] for i in range(len(data.files))]
+
+
+def test_custom_loops_under_tfscale_launch_give_one_device_weights(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(_ROOT / "src"))
+    for name in ("TF_CONFIG", "TFSCALE_VIRTUAL_DEVICES"):
+        env.pop(name, None)
+    command = [sys.executable, "-m", "tfscale.cli.main", "launch", "-n", "2", "--timeout", "240"]
+    done = subprocess.run(
+        [*command, str(_JOB), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        start_new_session=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[worker 1] worker 1: custom loops done" in done.stdout
+    x, y = DATA
+    ix, iy = images(64)
+    one = strategy_for(0)
+    references = {
+        "tutorial": tutorial_loop(one, None, ix, iy),
+        "guide": guide_loop(one, None, x, y),
+        "user_sgd": user_loop(one, None, x[:96], y[:96], optimizer_name="sgd"),
+        "user_adam": user_loop(one, None, x[:96], y[:96], optimizer_name="adam"),
+    }
+    for name, reference in references.items():
+        for worker in range(2):
+            got = _weights(tmp_path / f"{name}-{worker}.npz")
+            worst = max(relative_difference([g], [w]) for g, w in zip(got, reference, strict=True))
+            assert worst <= 1e-5, (name, worker, worst)
