@@ -323,6 +323,39 @@ def test_watch_loss_reductions_records_keras_and_tf_nn_reductions() -> None:
     assert {"keras_scale", "compute_average_loss", "scale_regularization_loss"} <= set(seen)
 
 
+def test_autograph_origin_maps_generated_code_to_the_users_line() -> None:
+    import sys
+
+    seen: list[Any] = []
+
+    @tf.autograph.experimental.do_not_convert
+    def origin_of_caller() -> None:
+        # Called from the converted step (through AutoGraph's converted_call): the nearest
+        # frame of generated code is the step's.
+        frame = sys._getframe(1)
+        while frame is not None and "__autograph_generated_file" not in frame.f_code.co_filename:
+            frame = frame.f_back  # type: ignore[assignment]
+        seen.append(frame and internals.autograph_origin(frame.f_code, frame.f_lineno))
+
+    def step(x: Any) -> Any:
+        origin_of_caller()
+        return x * 2
+
+    tf.function(step)(tf.constant(1.0))
+    here = Path(__file__).resolve()
+    lines = here.read_text().splitlines()
+    line = next(i for i, t in enumerate(lines, 1) if t.strip() == "origin_of_caller()")
+    if seen[0] is None:
+        pytest.fail(
+            "AutoGraph's ag_source_map is gone or changed (TensorFlow "
+            f"{tf.__version__}): tfscale.internals.autograph_origin needs another way; "
+            "scope.creation_stack (doctor --script's sites in tf.function steps) depends on it."
+        )
+    filename, number, function = seen[0]
+    assert (Path(filename).resolve(), number, function) == (here, line, "step")
+    assert internals.autograph_origin(step.__code__, line) is None  # not generated code
+
+
 def test_strategy_supports_no_merge_call() -> None:
     _require(tf.__internal__.distribute, "strategy_supports_no_merge_call",
              "strategy_supports_no_merge_call", "training.optimizer")  # fmt: skip

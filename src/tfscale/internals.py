@@ -23,6 +23,7 @@ from typing import Any
 
 __all__ = [
     "DEFAULT_STRATEGY_CLASS",
+    "autograph_origin",
     "backing_variable",
     "builtin_all_reduce_replaced",
     "compile_config_objects",
@@ -399,6 +400,34 @@ def _reduction_wrapper(original: Callable[..., Any], name: str) -> Callable[...,
 
 
 # -- TensorFlow -----------------------------------------------------------------------------
+_AUTOGRAPH_FILE = "__autograph_generated_file"
+
+
+def autograph_origin(code: Any, line: int) -> tuple[str, int, str] | None:
+    """The user's ``(file, line, function)`` behind a line of AutoGraph-generated code.
+
+    A ``tf.function`` runs the user's Python converted by AutoGraph from a generated file
+    (``/tmp/__autograph_generated_file*.py``); the converted function carries
+    ``ag_source_map`` (``tensorflow/python/autograph/impl/api.py``), from generated
+    ``LineLocation(filename, lineno)`` to an ``OriginInfo`` whose ``loc`` is the user's.
+    Found through the function object that owns ``code``. None for other code or when
+    the map has no entry. (``scope.creation_stack``: where a step created a variable.)
+    """
+    generated: str = getattr(code, "co_filename", "")
+    if _AUTOGRAPH_FILE not in generated:
+        return None
+    import gc
+
+    for owner in gc.get_referrers(code):
+        source_map = getattr(owner, "ag_source_map", None)
+        if getattr(owner, "__code__", None) is not code or not source_map:
+            continue
+        for location, info in source_map.items():
+            if location.filename == generated and location.lineno == line:
+                return str(info.loc.filename), int(info.loc.lineno), str(info.function_name)
+    return None
+
+
 def strategy_supports_no_merge_call() -> bool:
     """``tf.__internal__.distribute.strategy_supports_no_merge_call``.
 

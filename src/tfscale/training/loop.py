@@ -49,7 +49,7 @@ from tfscale.training.optimizer import (
     step_in_progress,
 )
 
-__all__ = ["LoopState", "loop_state", "prepare_loop"]
+__all__ = ["LoopState", "loop_state", "prepare_loop", "prepared_sources"]
 
 _LOCAL = threading.local()
 _LOOPS: list[weakref.ref[LoopState]] = []
@@ -174,6 +174,11 @@ def _build_outside_steps(model: Any, strategy: tf.distribute.Strategy) -> None:
         return None
 
     internals.override(model, "build", outside_steps)
+
+
+def prepared_sources(sources: Any) -> bool:
+    """Whether ``tape.gradient``'s sources are a model prepared by :func:`prepare_loop`."""
+    return any(state.owns(sources) for state in _live_loops())
 
 
 def loop_state(optimizer: Any) -> LoopState | None:
