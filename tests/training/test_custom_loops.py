@@ -245,6 +245,20 @@ def _resume_tutorial(
     return weights
 
 
+def test_a_model_prepared_for_fit_gives_one_device_weights_in_a_custom_loop() -> None:
+    # tfscale.prepare's optimizer is the same distributed update: a custom loop over the
+    # prepared model weighs its loss (here tf.reduce_mean) as prepare_loop's does.
+    x, y = DATA[0][:64], DATA[1][:64]
+
+    def compile_and_prepare(model: Any, optimizer: Any) -> Any:
+        model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
+        return tfscale.prepare(model)
+
+    one, _ = convention_loop(strategy_for(0), None, x, y, "reduce_mean")
+    two, _ = convention_loop(strategy_for(2), compile_and_prepare, x, y, "reduce_mean")
+    assert _per_variable(two, one) <= TOLERANCE
+
+
 def test_prepare_loop_refuses_what_it_cannot_use() -> None:
     strategy = strategy_for(2)
     with strategy.scope():

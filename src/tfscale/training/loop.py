@@ -49,7 +49,7 @@ from tfscale.training.optimizer import (
     step_in_progress,
 )
 
-__all__ = ["LoopState", "loop_state", "prepare_loop", "prepared_sources"]
+__all__ = ["LoopState", "loop_state", "prepare_loop", "prepared_sources", "register_loop"]
 
 _LOCAL = threading.local()
 _LOOPS: list[weakref.ref[LoopState]] = []
@@ -304,13 +304,24 @@ def prepare_loop(
     )
     if accumulation_steps > 1 and optimizer.built:
         update.build_accumulators(internals.optimizer_trainable_variables(optimizer))
+    register_loop(model, update, loss)
+    return optimizer
+
+
+def register_loop(model: Any, update: DistributedUpdate, loss: Declared = "auto") -> LoopState:
+    """Makes ``update`` weigh the gradients of a custom loop over ``model`` by its loss.
+
+    Used by :func:`prepare_loop` and by ``tfscale.prepare`` (a prepared model's optimizer
+    in a custom loop gets the same update); inside tfscale's own step functions the step's
+    context wins.
+    """
     state = LoopState(model, update, loss)
     update.loop_step = state.step_for
-    internals.override(optimizer, "_tfscale_loop", state)
+    internals.override(update.optimizer, "_tfscale_loop", state)
     with _LOOPS_LOCK:
-        # A second prepare_loop of the same optimizer replaces the first's state.
+        # A second preparation of the same optimizer replaces the first's state.
         _LOOPS[:] = [ref for ref in _LOOPS if getattr(ref(), "update", update) is not update]
         _LOOPS.append(weakref.ref(state))
     internals.watch_gradient_targets(_on_gradient)
     internals.watch_loss_reductions(conventions.on_reduction)
-    return optimizer
+    return state
