@@ -7,7 +7,7 @@ EXTRA := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo gpu || echo 
 # ray: the TaskPool's Ray backend is tested, not skipped (tests/tasks/test_taskpool_ray.py).
 EXTRAS := $(EXTRA),dev,ray
 
-.PHONY: demo test lint unit venv clean bench
+.PHONY: demo test check quick lint unit venv clean bench
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,16 @@ lint: venv
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
+
+# The fast tier: lint and every test that needs no TensorFlow runtime and no child process
+# (tests/README.md). Test modules marked `tf` as a whole are not even imported.
+check: lint
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not tf and not multiprocess"
+
+# The middle tier: everything but the slow tests (launched jobs, worker processes, the
+# parity suite, benchmarks' harness), on both cores.
+quick: venv
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow"
 
 # Two pytest processes, a test file each at a time (--dist loadfile: a file's tests share its
 # TensorFlow traces and fixtures): the suite is TensorFlow start-up and tracing, single-threaded

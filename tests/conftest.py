@@ -15,6 +15,7 @@ stays fast and honest.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -70,29 +71,79 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None
 
 
-@pytest.fixture(autouse=True)
-def _needs_are_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Fails a test that imports TensorFlow without the ``tf`` marker, and stops one that
-    starts a child process without the ``multiprocess`` marker before the child starts."""
-    marks = {mark.name for mark in request.node.iter_markers()}
-    if "multiprocess" not in marks:
+class _TensorFlowGate:
+    """Refuses ``import tensorflow`` / ``import keras`` during a test not marked ``tf``
+    (the import fails at once, naming the marker, instead of after a slow test)."""
 
-        def refuse(*args: Any, **kwargs: Any) -> None:
-            raise AssertionError(
-                f"{request.node.nodeid} starts a child process: mark it "
-                "@pytest.mark.multiprocess (tests/README.md)"
+    refusing: str | None = None  # the node id of the running unmarked test
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
+        if self.refusing and fullname.partition(".")[0] in ("tensorflow", "keras"):
+            raise ImportError(
+                f"{self.refusing} imports {fullname}: mark it @pytest.mark.tf or "
+                "`pytestmark = pytest.mark.tf` (tests/README.md)"
             )
 
-        monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
-        monkeypatch.setattr(os, "fork", refuse)
-    had_tf = "tensorflow" in sys.modules
-    yield
-    if not had_tf and "tensorflow" in sys.modules and "tf" not in marks:
-        pytest.fail(
-            f"{request.node.nodeid} imported TensorFlow: mark it @pytest.mark.tf or "
-            "`pytestmark = pytest.mark.tf` (tests/README.md)",
-            pytrace=False,
+
+_GATE = _TensorFlowGate()
+sys.meta_path.insert(0, _GATE)  # type: ignore[arg-type]
+
+
+def pytest_collectstart(collector: pytest.Collector) -> None:
+    """Under ``-m "not tf"``, a test module that imports TensorFlow without being marked
+    ``tf`` as a whole fails to collect, naming the marker."""
+    if isinstance(collector, pytest.Module) and _deselects_tf(collector.config):
+        _GATE.refusing = str(collector.path)
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    _GATE.refusing = None
+
+
+def _refuse_children(nodeid: str) -> Any:
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError(
+            f"{nodeid} starts a child process: mark it @pytest.mark.multiprocess (tests/README.md)"
         )
+
+    return refuse
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    with _needs_are_marked(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    with _needs_are_marked(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    with _needs_are_marked(item):
+        yield
+
+
+@contextlib.contextmanager
+def _needs_are_marked(item: pytest.Item) -> Iterator[None]:
+    """While a test and its fixtures (of every scope) run: refuses ``import tensorflow`` if
+    the test is not marked ``tf``, and starting a child process if it is not marked
+    ``multiprocess``, each with an error naming the marker."""
+    marks = {mark.name for mark in item.iter_markers()}
+    saved = (subprocess.Popen._execute_child, os.fork)  # type: ignore[attr-defined]
+    if "multiprocess" not in marks:
+        subprocess.Popen._execute_child = _refuse_children(item.nodeid)  # type: ignore[attr-defined]
+        os.fork = _refuse_children(item.nodeid)
+    if "tf" not in marks:
+        _GATE.refusing = item.nodeid
+    try:
+        yield
+    finally:
+        subprocess.Popen._execute_child, os.fork = saved  # type: ignore[attr-defined]
+        _GATE.refusing = None
 
 
 @pytest.fixture(autouse=True)

@@ -177,6 +177,7 @@ def test_worker_device_kinds() -> None:
             worker_device_kinds(config, {"TFSCALE_WORKER_DEVICE_KINDS": bad})
 
 
+@pytest.mark.multiprocess
 def test_cluster_module_imports_no_tensorflow() -> None:
     code = "import sys, tfscale.cluster; print('tensorflow' in sys.modules)"
     out = subprocess.run(

@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import tensorflow as tf
 
 import tfscale
 from tfscale.cluster import (
@@ -68,6 +67,7 @@ def test_recorded_tfjob_pod_knows_its_chief_and_ps() -> None:
     assert config.address == "mnist-worker-1.ml.svc:2222" and not config.is_chief
 
 
+@pytest.mark.tf
 @pytest.mark.parametrize(
     ("change", "words"),
     [
@@ -198,6 +198,7 @@ def _slurm_os_environ() -> Iterator[None]:
     os.environ.update(saved)
 
 
+@pytest.mark.tf
 @pytest.mark.usefixtures("_slurm_os_environ")
 @pytest.mark.parametrize(
     ("nodelist", "per_node", "ntasks"),
@@ -206,6 +207,8 @@ def _slurm_os_environ() -> Iterator[None]:
 def test_slurm_matches_tensorflows_slurm_cluster_resolver(
     nodelist: str, per_node: str, ntasks: int
 ) -> None:
+    import tensorflow as tf
+
     for rank in range(ntasks):
         env = {
             "SLURM_PROCID": str(rank),

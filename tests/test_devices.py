@@ -8,6 +8,7 @@ import tfscale
 from tfscale.testing import run_python
 
 
+@pytest.mark.tf
 def test_discover_lists_physical_cpu_and_four_logical_cpus() -> None:
     infos = tfscale.discover_devices()
     physical = [i for i in infos if i.physical]
@@ -17,10 +18,12 @@ def test_discover_lists_physical_cpu_and_four_logical_cpus() -> None:
     assert [i.name for i in logical] == [f"/device:CPU:{n}" for n in range(4)]
 
 
+@pytest.mark.tf
 def test_same_configuration_again_is_harmless() -> None:
     assert tfscale.use_virtual_devices(4) == [f"/device:CPU:{i}" for i in range(4)]
 
 
+@pytest.mark.tf
 def test_reconfiguring_after_start_is_a_clear_error() -> None:
     tfscale.discover_devices()  # the runtime has started
     with pytest.raises(tfscale.DeviceConfigError, match="already started") as info:
@@ -28,6 +31,7 @@ def test_reconfiguring_after_start_is_a_clear_error() -> None:
     assert "TFSCALE_VIRTUAL_DEVICES=3" in str(info.value)
 
 
+@pytest.mark.tf
 @pytest.mark.parametrize("bad", [0, -1, 2.5, "2", True, 65, 1000])
 def test_bad_counts_are_refused(bad: object) -> None:
     with pytest.raises(tfscale.DeviceConfigError, match="an integer from 1 to 64") as info:
@@ -35,17 +39,20 @@ def test_bad_counts_are_refused(bad: object) -> None:
     assert f"Received: n={bad!r}" in str(info.value)
 
 
+@pytest.mark.tf
 def test_absent_gpu_is_refused_with_what_is_present() -> None:
     with pytest.raises(tfscale.DeviceConfigError, match="No physical GPU") as info:
         tfscale.use_virtual_devices(2, "GPU", memory_limit_mb=512)
     assert "CPU" in str(info.value)
 
 
+@pytest.mark.tf
 def test_unknown_kind_is_refused() -> None:
     with pytest.raises(tfscale.DeviceConfigError, match="Unknown device kind"):
         tfscale.use_virtual_devices(2, "QPU")
 
 
+@pytest.mark.multiprocess
 def test_environment_variable_splits_before_start_and_bad_value_is_clear() -> None:
     result = run_python(
         """

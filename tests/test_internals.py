@@ -20,6 +20,8 @@ import tensorflow as tf
 from tfscale import internals
 from tfscale.testing import mirrored_on_cpus
 
+pytestmark = pytest.mark.tf
+
 _SRC = Path(__file__).resolve().parents[1] / "src" / "tfscale"
 
 

@@ -14,6 +14,8 @@ import tfscale
 from tfscale.scope import variable_origin
 from tfscale.testing import mirrored_on_cpus, relative_difference
 
+pytestmark = pytest.mark.tf
+
 
 @pytest.fixture(scope="module")
 def mirrored() -> Iterator[tf.distribute.MirroredStrategy]:

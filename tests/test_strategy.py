@@ -10,17 +10,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import tensorflow as tf
 
 import tfscale
 from tfscale.cluster import ClusterConfig, parse_tf_config, tf_config
 from tfscale.strategy import StrategyFacts, decide, gather_facts, normalize_device
-from tfscale.strategy.build import (
-    START_TIMEOUT_ENV,
-    apply_memory_growth,
-    remedy,
-    start_timeout_s,
-)
 from tfscale.testing import run_python
 
 
@@ -172,7 +165,10 @@ def test_devices_argument_is_validated() -> None:
         decide(cluster, ["GPU:1"])
 
 
+@pytest.mark.tf
 def test_remedies_for_the_usual_build_failures() -> None:
+    from tfscale.strategy.build import START_TIMEOUT_ENV, remedy, start_timeout_s
+
     late = RuntimeError("Collective ops must be configured at program startup")
     assert "call choose_strategy() first" in remedy(late)
     assert "TFSCALE_WORKER_START_TIMEOUT" in remedy(
@@ -200,7 +196,10 @@ class _FakeGpu:
     name: str
 
 
+@pytest.mark.tf
 def test_memory_growth_reports_success_late_runtime_and_virtual_gpus() -> None:
+    from tfscale.strategy.build import apply_memory_growth
+
     gpus = [_FakeGpu(f"/physical_device:GPU:{i}") for i in range(3)]
     calls: list[str] = []
 
@@ -221,13 +220,17 @@ def test_memory_growth_reports_success_late_runtime_and_virtual_gpus() -> None:
 # ---------------------------------------------------------------- real, this process
 
 
+@pytest.mark.tf
 def test_real_facts_see_four_logical_cpus() -> None:
     facts = gather_facts({})
     assert facts.cpus == tuple(f"/device:CPU:{i}" for i in range(4))
     assert facts.gpus == () and facts.physical_gpus == 0 and facts.cluster is None
 
 
+@pytest.mark.tf
 def test_real_choice_mirrors_over_four_logical_cpus() -> None:
+    import tensorflow as tf
+
     choice = tfscale.choose_strategy()
     assert isinstance(choice.strategy, tf.distribute.MirroredStrategy)
     assert (choice.kind, choice.num_replicas) == ("Mirrored", 4)
@@ -240,7 +243,10 @@ def test_real_choice_mirrors_over_four_logical_cpus() -> None:
     assert float(choice.strategy.reduce("SUM", ids, axis=None)) == 0 + 1 + 2 + 3
 
 
+@pytest.mark.tf
 def test_real_choice_restricted_to_two_and_to_one_device() -> None:
+    import tensorflow as tf
+
     two = tfscale.choose_strategy(devices=["/device:CPU:0", "CPU:1"])
     assert (two.kind, two.num_replicas) == ("Mirrored", 2)
     assert two.strategy.extended.worker_devices == (
@@ -254,6 +260,7 @@ def test_real_choice_restricted_to_two_and_to_one_device() -> None:
         tfscale.choose_strategy(devices=["GPU:0"])
 
 
+@pytest.mark.tf
 def test_malformed_tf_config_raises_instead_of_falling_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -293,6 +300,8 @@ import tensorflow as tf
 import tfscale
 
 def attempt(**kwargs):
+    import tensorflow as tf
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -319,6 +328,7 @@ def _result(stdout: str) -> dict[str, object]:
     return value
 
 
+@pytest.mark.multiprocess
 def test_real_construction_failures_fall_back_and_strict_raises() -> None:
     """Two real ways MultiWorkerMirroredStrategy fails to build, in one child process."""
     result = run_python(_FALLBACK_CHILD, env={"OTHER_PORT": str(_free_ports(1)[0])}, timeout=120)
@@ -341,6 +351,8 @@ import json, tfscale, tensorflow as tf
 choice = tfscale.choose_strategy(strict=True)
 task = choice.cluster.task_index
 def step():
+    import tensorflow as tf
+
     ctx = tf.distribute.get_replica_context()
     return ctx.all_reduce("SUM", tf.constant(float(task + 1)))
 total = choice.strategy.experimental_local_results(choice.strategy.run(step))[0]
@@ -350,6 +362,7 @@ print("RESULT " + json.dumps({"kind": choice.kind, "replicas": choice.num_replic
 """
 
 
+@pytest.mark.multiprocess
 def test_real_two_worker_multi_worker_mirrored() -> None:
     workers = [f"127.0.0.1:{port}" for port in _free_ports(2)]
 

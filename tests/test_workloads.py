@@ -15,6 +15,7 @@ def test_digits_are_split_scaled_and_labelled() -> None:
     assert set(np.unique(data.y_train)) == set(range(10))
 
 
+@pytest.mark.tf
 def test_models_are_compiled_identically_for_a_seed() -> None:
     x, _ = synthetic_images(4)
     first, second = build_model("cnn"), build_model("cnn")

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tfscale.chatter import is_chatter
 from tfscale.testing import run_python
+
+pytestmark = pytest.mark.multiprocess
 
 
 def test_demo_trains_to_90_percent_on_two_logical_cpus() -> None:

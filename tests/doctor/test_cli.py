@@ -19,6 +19,7 @@ from .fakes import H100_XML
 _DOCTOR = "import sys; from tfscale.cli.main import main; sys.exit(main(sys.argv[1:]))"
 
 
+@pytest.mark.multiprocess
 def test_doctor_json_in_a_fresh_process() -> None:
     # TF_CPP_MIN_LOG_LEVEL unset, as for a user: TensorFlow's start-up chatter stays off.
     result = run_python(
@@ -33,6 +34,7 @@ def test_doctor_json_in_a_fresh_process() -> None:
     assert all(c["status"] in ("ok", "warn") for c in document["checks"])
 
 
+@pytest.mark.multiprocess
 def test_doctor_fails_on_a_broken_tf_config() -> None:
     broken = '{"cluster": {"worker": ["localhost:2222"]}, "task": {"type": "worker", "index": 3}}'
     result = run_python(_DOCTOR, args=["doctor"], env={"TF_CONFIG": broken}, timeout=120)
@@ -56,6 +58,7 @@ def test_script_option_without_a_script(capsys: pytest.CaptureFixture[str]) -> N
     assert "--script needs a script" in capsys.readouterr().err
 
 
+@pytest.mark.multiprocess
 def test_doctor_finds_the_cpu_wheel_on_a_machine_whose_driver_lists_four_h100(
     tmp_path: Path,
 ) -> None:

@@ -16,6 +16,8 @@ import pytest
 
 from tfscale.cli.main import main
 
+pytestmark = pytest.mark.multiprocess
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ("docs/doctor.md", "docs/scope.md")
 

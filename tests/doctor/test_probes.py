@@ -106,6 +106,7 @@ def fake_bin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
+@pytest.mark.multiprocess
 def test_driver_falls_back_to_nvidia_smi(fake_bin: Path) -> None:
     _fake_nvidia_smi(fake_bin, f"cat '{H100_XML}'")
     report = probe_driver()
@@ -114,6 +115,7 @@ def test_driver_falls_back_to_nvidia_smi(fake_bin: Path) -> None:
     assert len(report.gpus) == 4
 
 
+@pytest.mark.multiprocess
 def test_failing_nvidia_smi_is_reported(fake_bin: Path) -> None:
     _fake_nvidia_smi(
         fake_bin,
@@ -124,6 +126,7 @@ def test_failing_nvidia_smi_is_reported(fake_bin: Path) -> None:
         probe_driver()
 
 
+@pytest.mark.multiprocess
 def test_hung_nvidia_smi_times_out(fake_bin: Path) -> None:
     _fake_nvidia_smi(fake_bin, "exec sleep 30")
     with pytest.raises(RuntimeError, match=r"did not answer within 0\.5 s"):

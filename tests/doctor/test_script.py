@@ -10,6 +10,8 @@ import pytest
 from tfscale.doctor.script import exit_status, run_script, summarize
 from tfscale.errors import TfscaleError
 
+pytestmark = pytest.mark.multiprocess
+
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).resolve().parent / "data"
 

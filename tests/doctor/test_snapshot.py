@@ -29,6 +29,7 @@ def test_from_dict_rejects_unknown_fields() -> None:
         Snapshot.from_dict(data)
 
 
+@pytest.mark.multiprocess
 def test_real_snapshot_of_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     snapshot = take_snapshot()
@@ -47,6 +48,7 @@ def test_real_snapshot_of_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [r for r in results if r.status == "fail"] == []
 
 
+@pytest.mark.multiprocess
 def test_failing_probe_is_recorded_not_raised(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -41,6 +41,7 @@ def _launcher(args: list[str]) -> subprocess.Popen[str]:
     )
 
 
+@pytest.mark.multiprocess
 def test_launcher_imports_no_tensorflow() -> None:
     done = run_python(
         """
@@ -59,6 +60,7 @@ def test_launcher_imports_no_tensorflow() -> None:
     assert done.stdout.strip() == "[]"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_interrupt_stops_every_worker_and_their_children(tmp_path: Path, signum: int) -> None:
     launcher = _launcher(["-n", "2", "--devices-per-worker", "3", _SLEEPER, str(tmp_path)])
@@ -85,6 +87,7 @@ def test_interrupt_stops_every_worker_and_their_children(tmp_path: Path, signum:
     assert "[worker 0] hello from worker0" in out and "[worker 1] hello from worker1" in out
 
 
+@pytest.mark.multiprocess
 def test_exit_status_is_the_jobs_after_restarts(tmp_path: Path) -> None:
     launcher = _launcher(["-n", "2", "--max-restarts", "1", _SLEEPER, str(tmp_path), "7"])
     _, err = launcher.communicate(timeout=120)
@@ -112,6 +115,7 @@ def test_port_in_use_is_named(capsys: pytest.CaptureFixture[str]) -> None:
     assert f"Port {port} on 127.0.0.1 is already in use" in err and "--port" in err
 
 
+@pytest.mark.multiprocess
 def test_time_limit_ends_the_job_with_124(tmp_path: Path) -> None:
     launcher = _launcher(
         ["-n", "2", "--timeout", "1", "--max-restarts", "2", _SLEEPER, str(tmp_path)]

@@ -25,6 +25,8 @@ import pytest
 from tfscale.chatter import is_chatter
 from tfscale.testing import mirrored_on_cpus, relative_difference
 
+pytestmark = pytest.mark.multiprocess
+
 _ROOT = Path(__file__).resolve().parents[2]
 _DATA = Path(__file__).parent / "data"
 _TIMEOUT = 420.0

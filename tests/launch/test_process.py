@@ -8,9 +8,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tfscale.launch.process import spawn_process
 from tfscale.launch.supervisor import Supervisor, Task
 from tfscale.testing import alive
+
+pytestmark = pytest.mark.multiprocess
 
 
 def _wait_dead(pids: list[int], timeout: float = 10.0) -> list[int]:

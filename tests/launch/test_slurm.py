@@ -1,4 +1,6 @@
-"""Slurm: the sbatch template, and one task turned into one worker with its TF_CONFIG."""
+"""Slurm without a cluster: the sbatch template's text, and one task turned into one worker
+with its TF_CONFIG from a faked environment, for what one node cannot show (several nodes,
+GPUs per node). A real one-node cluster runs the jobs in test_slurm_cluster.py."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ def _directives(text: str) -> dict[str, str]:
     return found
 
 
+@pytest.mark.multiprocess
 def test_print_sbatch_fields(capsys: pytest.CaptureFixture[str]) -> None:
     status = main(
         [
@@ -83,33 +86,7 @@ def test_sbatch_rejects_bad_counts(kwargs: dict[str, int], option: str) -> None:
         sbatch_script(["t.py"], **args)
 
 
-def test_sbatch_restart_loop_with_a_fake_srun(tmp_path: Path) -> None:
-    # srun fails on its first call and succeeds on its second: the script restarts once,
-    # exports the attempt number, and exits 0.
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    calls = tmp_path / "calls"
-    srun = bin_dir / "srun"
-    srun.write_text(
-        "#!/bin/bash\n"
-        f'echo "$TFSCALE_LAUNCH_ATTEMPT $*" >> {calls}\n'
-        '[ "$TFSCALE_LAUNCH_ATTEMPT" = 1 ]\n'
-    )
-    srun.chmod(0o755)
-    script = tmp_path / "job.sh"
-    script.write_text(sbatch_script(["train.py"], nodes=2, max_restarts=3))
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
-    done = subprocess.run(
-        ["bash", str(script)], env=env, capture_output=True, text=True, timeout=30
-    )
-    assert done.returncode == 0, done.stderr
-    lines = calls.read_text().splitlines()
-    assert lines == [
-        "0 --kill-on-bad-exit=1 tfscale launch --slurm --port 8888 train.py",
-        "1 --kill-on-bad-exit=1 tfscale launch --slurm --port 8888 train.py",
-    ]
-
-
+@pytest.mark.multiprocess
 def test_slurm_task_execs_the_script_with_its_tf_config(tmp_path: Path) -> None:
     script = tmp_path / "show.py"
     script.write_text(
@@ -153,6 +130,7 @@ def test_slurm_task_execs_the_script_with_its_tf_config(tmp_path: Path) -> None:
     }
 
 
+@pytest.mark.multiprocess
 def test_slurm_task_outside_slurm_is_a_clear_error(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env["PYTHONPATH"] = _SRC

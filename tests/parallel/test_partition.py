@@ -8,6 +8,8 @@ import pytest
 import tfscale
 from tfscale.parallel.partition import check_sizes, split_sizes
 
+pytestmark = pytest.mark.tf
+
 
 def chain_model() -> keras.Model:
     keras.utils.set_random_seed(3)

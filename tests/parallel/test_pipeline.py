@@ -11,6 +11,8 @@ import tfscale
 from tfscale.parallel.pipeline import PipelineModel
 from tfscale.testing import mirrored_on_cpus, relative_difference
 
+pytestmark = pytest.mark.tf
+
 TOL = 1e-5
 BATCH = 16
 

@@ -19,6 +19,8 @@ from tfscale.processes import PIPE, Channel, start
 from tfscale.processes import run as run_command
 from tfscale.testing import alive
 
+pytestmark = pytest.mark.multiprocess
+
 _SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
@@ -61,10 +63,12 @@ def test_output_lines_get_the_prefix_and_a_timeout_kills_the_group() -> None:
     ) as child:
         assert child.wait(30) == 0
     assert sorted(sink.getvalue().splitlines()) == ["[w] err", "[w] out"]
-    began = time.monotonic()
-    done = run_command(["sh", "-c", "sleep 60 & sleep 60"], timeout=1)
+    # The background sleep holds the output pipe: without the group kill, run would wait
+    # for it. Its pid is printed first; after the timeout it must be gone too.
+    done = run_command(["sh", "-c", "sleep 60 & echo $!; sleep 60"], timeout=1)
     assert done.timed_out and done.returncode == -signal.SIGKILL
-    assert time.monotonic() - began < 15
+    background = int(done.stdout.split()[0])
+    assert _gone([background], 10), "the group's other child survived"
 
 
 def test_terminate_reaches_the_childs_own_children(tmp_path: Path) -> None:

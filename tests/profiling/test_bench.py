@@ -19,6 +19,7 @@ def _small_model() -> Any:
     )
 
 
+@pytest.mark.tf
 def test_injected_input_delay_is_reported_as_input_share() -> None:
     import tensorflow as tf
 
@@ -77,6 +78,8 @@ def _wide_model() -> Any:
     return model
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_dominant_communication_across_workers_advice_and_verify() -> None:
     """Two worker processes (MultiWorkerMirroredStrategy over gRPC on 127.0.0.1): the
     all-reduce really crosses processes, and exposed communication is the largest share."""
@@ -102,13 +105,25 @@ def test_dominant_communication_across_workers_advice_and_verify() -> None:
     assert compress.change == {"gradient_compression": "bf16"} and compress.predicted_speedup > 1
     verification = report.verification
     assert verification is not None and verification["key"] == report.advice[0].key
-    # The advice is applied and measured, and helps. How close the prediction comes is a
-    # timing (docs/profiling.md quotes it from a quiet run); under the suite's two pytest
-    # processes it varied from 4% to 38%, so it is not asserted here.
-    assert verification["measured_speedup"] > 1.0 and verification["predicted_speedup"] > 1.0
-    assert verification["relative_error"] >= 0.0
+    # The advice is applied and measured: the changed configuration is the baseline plus the
+    # advised change, and the record's figures are computed from the two measured rates.
+    # Whether it helps, and how close the prediction comes, are timings: benchmarks/ and
+    # docs/profiling.md quote them from quiet runs.
+    chosen = report.advice[0]
+    measured = verification["measured"]
+    assert measured["changed"] == {**measured["baseline"], **chosen.change}
+    assert measured["baseline"]["replicas"] == 2
+    _assert_verification_arithmetic(verification)
 
 
+def _assert_verification_arithmetic(verification: dict[str, Any]) -> None:
+    ratio = verification["changed_examples_per_s"] / verification["baseline_examples_per_s"]
+    predicted = verification["predicted_speedup"]
+    assert verification["measured_speedup"] == pytest.approx(ratio)
+    assert verification["relative_error"] == pytest.approx(abs(ratio - predicted) / predicted)
+
+
+@pytest.mark.tf
 def test_verify_measures_advised_gradient_compression() -> None:
     from tfscale.profiling.advice import Facts, advise
     from tfscale.profiling.bench import verify_advice
@@ -127,7 +142,7 @@ def test_verify_measures_advised_gradient_compression() -> None:
     assert result is not None and result["change"] == {"gradient_compression": "bf16"}
     assert result["measured"]["changed"]["gradient_compression"] == "bf16"
     assert result["measured"]["baseline"]["gradient_compression"] is None
-    assert result["measured_speedup"] > 0
+    _assert_verification_arithmetic(result)
     assert result["predicted_speedup"] == pytest.approx(0.020 / 0.015)  # 20 ms -> 15 ms
 
 
@@ -138,6 +153,7 @@ def _seeded_model() -> Any:
     return _small_model()
 
 
+@pytest.mark.tf
 def test_a_measured_step_all_reduces_in_the_compression_it_is_given() -> None:
     """What --verify measures for compress-gradients: the same updates as float32 but for
     bfloat16 rounding of the summed gradient (0.0 apart would mean float32 ran)."""
@@ -157,6 +173,7 @@ def test_a_measured_step_all_reduces_in_the_compression_it_is_given() -> None:
     assert 0.0 < relative_difference(weights[2], weights[0]) <= 2e-2
 
 
+@pytest.mark.multiprocess
 def test_workers_need_an_importable_model_and_report_a_failing_worker() -> None:
     from tfscale.errors import ProfileError
     from tfscale.profiling.workers import model_spec
@@ -179,6 +196,8 @@ def _one_hot_classifier() -> Any:
     return model
 
 
+@pytest.mark.tf
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("argv", "says"),
     [

@@ -8,6 +8,8 @@ import pytest
 
 import tfscale
 
+pytestmark = pytest.mark.tf
+
 
 def _model() -> keras.Model:
     model = keras.Sequential(
@@ -53,5 +55,7 @@ def test_under_keras_fit_it_times_steps_and_classifies_a_trace(cpu_devices: list
     assert len(callback.step_s) == 7
     shares = callback.trace_shares
     assert shares and sum(shares.values()) == pytest.approx(1.0)
-    assert shares["compute"] > 0 and shares["communication"] > 0  # the reduction's copies
+    # Which event classes the trace holds (a classification: every event lasts): the
+    # replicas' compute and the reduction's copies.
+    assert {kind for kind, share in shares.items() if share} >= {"compute", "communication"}
     assert callback.breakdown().method == "trace"

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tfscale.chatter import is_chatter
+from tfscale.profiling.projection import interconnect, project
 from tfscale.testing import run_python
 
 _SCRIPT = textwrap.dedent(
@@ -54,6 +55,8 @@ _CRASHING_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_bench_and_profile_commands_write_reports(tmp_path: Path) -> None:
     # `tfscale profile sub/train.py` runs the script as `python sub/train.py` would (and as
     # `doctor --script` does): its folder is on sys.path, so it imports its neighbours.
@@ -109,7 +112,16 @@ def test_bench_and_profile_commands_write_reports(tmp_path: Path) -> None:
         assert p["method"] == "alpha-beta" and p["compute_ms"] == pytest.approx(
             assumptions["local_step_ms"]
         )
-        assert p["communication_ms"] > 0 and 0 < p["efficiency"] < 1
+        # The alpha-beta model's own figures for the report's stated assumptions.
+        (row,) = project(
+            local_step_s=assumptions["local_step_ms"] / 1000,
+            gradient_bytes=bench["settings"]["gradient_bytes"],
+            batch_per_replica=p["batch_per_replica"],
+            replicas=[p["replicas"]],
+            inter=interconnect("roce-25g"),
+        )
+        assert p["communication_ms"] == pytest.approx(row.allreduce_s * 1000)
+        assert p["efficiency"] == pytest.approx(row.efficiency)
     assert assumptions["local_step_ms"] == pytest.approx(
         weak1["step_ms"] - weak1["communication_ms"]
     )
@@ -131,20 +143,21 @@ def test_bench_and_profile_commands_write_reports(tmp_path: Path) -> None:
     one, point = profiled["points"]
     assert (one["replicas"], one["global_batch"], one["speedup"]) == (1, 64, 1.0)
     assert point["mode"] == "script" and point["replicas"] == 2 and point["global_batch"] == 64
-    assert point["examples_per_s"] > 0 and one["examples_per_s"] > 0
     assert point["speedup"] == point["examples_per_s"] / one["examples_per_s"]
     assert profiled["settings"] == {"fit_calls": 1, "exit_status": 0, "reference_exit_status": 0}
     # Mirrored over 2 devices: the trace sees the all-reduce and the input fetch.
-    assert point["method"] == "trace" and point["trace_shares"]["compute"] > 0
-    assert point["trace_shares"]["communication"] + point["trace_shares"]["input"] > 0
+    # Which event classes the trace holds (every event lasts): compute, and the all-reduce
+    # or the input fetch.
+    classes = {kind for kind, share in point["trace_shares"].items() if share}
+    assert point["method"] == "trace" and "compute" in classes
+    assert classes & {"communication", "input"}
     # tfscale.fit (its strategy chosen over the 2 logical devices the runner split the CPU
     # into): the batch it was called with, non-zero examples/s, and the comparison.
     tfit = json.loads((tmp_path / "tfit" / "report.json").read_text())
     one, two = tfit["points"]
     assert (one["replicas"], two["replicas"]) == (1, 2)
     assert one["global_batch"] == two["global_batch"] == 48
-    assert one["examples_per_s"] > 0 and two["examples_per_s"] > 0
-    assert two["method"] == "trace" and 0 < two["speedup"] == pytest.approx(
+    assert two["method"] == "trace" and two["speedup"] == pytest.approx(
         two["examples_per_s"] / one["examples_per_s"]
     )
     assert any("Compared with the same script on 1 replica" in n for n in tfit["notes"])

@@ -17,6 +17,8 @@ from tfscale.errors import TaskError
 from tfscale.tasks import TaskPool, current_device
 from tfscale.testing import child_pids
 
+pytestmark = [pytest.mark.tf, pytest.mark.multiprocess]
+
 
 def _where(x: int) -> tuple[int, str | None, str | None, int, bool]:
     return (

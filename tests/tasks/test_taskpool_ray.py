@@ -18,6 +18,8 @@ if _MISSING and os.environ.get("CI"):
 
 pytestmark = [
     pytest.mark.ray,
+    pytest.mark.tf,
+    pytest.mark.multiprocess,
     pytest.mark.skipif(_MISSING, reason='ray is not installed (pip install "tfscale[ray]")'),
 ]
 

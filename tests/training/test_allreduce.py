@@ -3,9 +3,12 @@ itself is checked against one device in ``test_equivalence.py``."""
 
 from __future__ import annotations
 
+import pytest
 import tensorflow as tf
 
 from tfscale.training.allreduce import buckets
+
+pytestmark = pytest.mark.tf
 
 
 def test_buckets_fill_from_the_last_value_backwards_until_the_size_is_reached() -> None:

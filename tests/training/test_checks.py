@@ -17,6 +17,8 @@ from tfscale.testing import relative_difference
 
 from .helpers import strategy_for
 
+pytestmark = pytest.mark.tf
+
 X = np.random.default_rng(0).normal(size=(64, 6)).astype("float32")
 Y = np.random.default_rng(1).normal(size=(64, 1)).astype("float32")
 

@@ -13,6 +13,8 @@ from tfscale.training import Trainer
 
 from .helpers import DATA, batches, reference_weights, strategy_for, tiny_model
 
+pytestmark = pytest.mark.tf
+
 CLIP = 0.05
 
 

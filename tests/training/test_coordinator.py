@@ -14,6 +14,8 @@ from tfscale.training.coordinator import (
     unsupported_options,
 )
 
+pytestmark = pytest.mark.tf
+
 
 def test_unsupported_options_are_those_set_away_from_default() -> None:
     assert unsupported_options({"accumulation_steps": 1, "clipnorm": None}) == []

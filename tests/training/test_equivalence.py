@@ -18,6 +18,8 @@ from tfscale.training.prepare import prepared
 
 from .helpers import DATA, batches, reference_weights, strategy_for, tiny_model
 
+pytestmark = pytest.mark.tf
+
 STEPS, BATCH = 5, 32
 TESTS = Path(__file__).resolve().parents[1]
 _REFERENCES: dict[tuple[str, int], list[object]] = {}

@@ -16,6 +16,8 @@ from tfscale.testing import relative_difference
 
 from .helpers import strategy_for
 
+pytestmark = pytest.mark.tf
+
 FEATURES = 6
 
 

@@ -9,11 +9,14 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import tfscale
 from tfscale.testing import relative_difference
 
 from .helpers import DATA, batches, run_workers, strategy_for, tiny_model
+
+pytestmark = pytest.mark.tf
 
 TESTS = Path(__file__).resolve().parents[1]
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tfscale.training.optimizer import _weighted
+
+pytestmark = pytest.mark.tf
 
 
 def test_a_replica_with_no_examples_weighs_exactly_zero_even_with_a_nan_gradient() -> None:

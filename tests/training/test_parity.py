@@ -12,6 +12,8 @@ from .helpers import strategy_for
 from .parity import CALLBACK_CASES, TRAINER_CASES
 from .parity.registry import Case, param, run_case
 
+pytestmark = pytest.mark.tf
+
 
 @pytest.mark.parametrize("case", [param(case) for case in [*TRAINER_CASES, *CALLBACK_CASES]])
 def test_tfscale_fit_matches_one_device_model_fit(case: Case) -> None:

@@ -12,6 +12,8 @@ from .helpers import run_workers, strategy_for
 from .parity import KERAS_IO_CASES
 from .parity.registry import Case, param, run_case
 
+pytestmark = pytest.mark.tf
+
 TESTS = Path(__file__).resolve().parents[1]
 
 

@@ -17,6 +17,7 @@ as ``python SCRIPT ARGS`` would (``script_runner.run_as_main``), made strict
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -62,7 +63,10 @@ class _Job:
         verdict = Verdict(self.label, reason, fix)
         folder = os.environ.get(REPORT_ENV)
         if folder:
-            write_verdict(folder, verdict)
+            # A folder this node does not see (an sbatch job's submit folder that is not
+            # shared) loses the file only: the line below and status 78 remain.
+            with contextlib.suppress(OSError):
+                write_verdict(folder, verdict)
         print(f"tfscale launch: {self.label}: {reason}. Fix: {fix}", file=sys.stderr, flush=True)
         raise SystemExit(NOT_TOGETHER_STATUS)
 

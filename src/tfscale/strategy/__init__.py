@@ -19,10 +19,23 @@ takes ``strategy=None``, :func:`strategy_in_effect` (``current.py``) says which 
 
 from __future__ import annotations
 
-from tfscale.strategy.choice import StrategyChoice, choose_strategy
-from tfscale.strategy.current import strategy_in_effect
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# The facts and the rules are TensorFlow-free (the doctor and the pure tests use them without
+# TensorFlow's 5 s import); building a strategy imports it, so those names load on first use.
 from tfscale.strategy.facts import StrategyFacts, gather_facts, normalize_device
 from tfscale.strategy.rules import KINDS, Decision, decide
+
+if TYPE_CHECKING:
+    from tfscale.strategy.choice import StrategyChoice, choose_strategy
+    from tfscale.strategy.current import strategy_in_effect
+
+_LAZY = {
+    "StrategyChoice": "tfscale.strategy.choice",
+    "choose_strategy": "tfscale.strategy.choice",
+    "strategy_in_effect": "tfscale.strategy.current",
+}
 
 __all__ = [
     "KINDS",
@@ -35,3 +48,12 @@ __all__ = [
     "normalize_device",
     "strategy_in_effect",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tfscale.strategy' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

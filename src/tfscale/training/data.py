@@ -313,12 +313,16 @@ def plan_inputs(
     epochs: range,
     seed: int,
     strategy: tf.distribute.Strategy,
+    resumable: bool = False,
 ) -> KerasInputs:
     """Turns ``fit``'s data arguments into ``model.fit``'s, with one iterator per fit where
     the data allows it (see :class:`EpochOrder`).
 
     - Numeric arrays with ``shuffle`` True or False: :class:`EpochOrder` (after Keras's own
-      ``validation_split``). Other arrays (DataFrames, sparse, text) go to Keras's adapter.
+      ``validation_split``) over several epochs, and over one when the fit is ``resumable``
+      (it checkpoints): a run resumed in its last epoch must batch that epoch as the run it
+      continues did, not in Keras's own shuffle. Other arrays (DataFrames, sparse, text) go
+      to Keras's adapter.
     - A finite ``tf.data.Dataset`` of known length: repeated for the fit's epochs, with
       ``steps_per_epoch`` its length, so Keras's iterator continues across epochs; each
       repetition re-runs the dataset's own shuffle. Under several workers it is sharded
@@ -341,7 +345,8 @@ def plan_inputs(
     }
     order = None
     several = len(epochs) > 1 and steps_per_epoch is None
-    if several and shuffle in (True, False) and _plain_arrays(x, y, sample_weight):
+    ordered = (several or (resumable and len(epochs) == 1)) and steps_per_epoch is None
+    if ordered and shuffle in (True, False) and _plain_arrays(x, y, sample_weight):
         if validation_split and validation_data is None:
             (x, y, sample_weight), fit["validation_data"] = internals.train_validation_split(
                 (x, y, sample_weight), validation_split

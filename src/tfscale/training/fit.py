@@ -317,6 +317,7 @@ def fit(
         epochs=range(first_epoch, epochs),
         seed=seed,
         strategy=strategy,
+        resumable=config is not None,
     )
     callback_list = list(callbacks or [])
     state = prepared(model)
