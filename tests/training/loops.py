@@ -125,8 +125,12 @@ def guide_loop(
     batch_size: int = 32,
     epochs: int = 2,
     optimizer_name: str = "adam",
+    eager: bool = False,
 ) -> list[np.ndarray]:
-    """The Keras guide's loop, its step run by ``strategy.run``; returns the weights."""
+    """The Keras guide's loop, its step run by ``strategy.run``; returns the weights.
+
+    ``eager``: the guide's first loop, which runs its step eagerly (no ``tf.function``).
+    """
     _seeded(12)
 
     def get_model() -> keras.Model:
@@ -158,13 +162,13 @@ def guide_loop(
         train_acc_metric.update_state(y, logits)
         return loss_value
 
-    @tf.function
     def distributed_step(batch: Any) -> Any:
         return strategy.run(train_step, args=batch)
 
+    step = distributed_step if eager else tf.function(distributed_step)
     for _ in range(epochs):
         for batch in dist_dataset:
-            distributed_step(batch)
+            step(batch)
         train_acc_metric.reset_state()
     return [np.asarray(w) for w in model.get_weights()]
 

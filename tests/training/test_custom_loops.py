@@ -49,6 +49,15 @@ def test_the_keras_guide_loop_with_one_line_gives_one_device_weights() -> None:
     assert _per_variable(two, one) <= TOLERANCE
 
 
+def test_the_keras_guides_eager_loop_with_one_line_gives_one_device_weights() -> None:
+    # The guide's first loop runs its step eagerly: the Keras Loss object's mean is
+    # recognized by the tensor itself (there is no graph to read).
+    x, y = DATA[0][:64], DATA[1][:64]
+    one = guide_loop(strategy_for(0), None, x, y, eager=True, optimizer_name="sgd", epochs=1)
+    two = guide_loop(strategy_for(2), _prepare, x, y, eager=True, optimizer_name="sgd", epochs=1)
+    assert _per_variable(two, one) <= TOLERANCE
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_the_users_loop_with_one_line_gives_one_device_weights(optimizer: str) -> None:
     x, y = DATA
@@ -257,6 +266,27 @@ def test_a_model_prepared_for_fit_gives_one_device_weights_in_a_custom_loop() ->
     one, _ = convention_loop(strategy_for(0), None, x, y, "reduce_mean")
     two, _ = convention_loop(strategy_for(2), compile_and_prepare, x, y, "reduce_mean")
     assert _per_variable(two, one) <= TOLERANCE
+
+
+def test_the_weighting_of_each_kind_and_the_refusal_of_mixed_kinds() -> None:
+    from tfscale.training.conventions import Kind, Term, weighting
+
+    def numbers(terms: list[Term], replicas: int = 2, steps: int = 1) -> tuple[float, float]:
+        found = weighting(terms, replicas, steps)
+        return float(found.weight), float(found.count)
+
+    count = tf.constant(8.0)
+    assert numbers([Term(Kind.MEAN, count, "mean")]) == (8.0, 8.0)
+    assert numbers([Term(Kind.SCALED_MEAN, count, "cal")]) == (16.0, 8.0)
+    assert numbers([Term(Kind.SCALED_MEAN, None, "keras")]) == (2.0, 1.0)
+    assert numbers([Term(Kind.SUM, None, "vector")], steps=2) == (1.0, 0.25)
+    # The tutorial: compute_average_loss + scale_regularization_loss, both summed as they are.
+    tutorial = [Term(Kind.SCALED_MEAN, count, "cal"), Term(Kind.GLOBAL, None, "reg")]
+    assert numbers(tutorial) == (1.0, 0.5)
+    with pytest.raises(tfscale.TrainingError, match="scaled differently"):
+        weighting([Term(Kind.MEAN, count, "mean"), Term(Kind.SCALED_MEAN, None, "keras")], 2, 1)
+    with pytest.raises(tfscale.TrainingError, match="cannot tell"):
+        weighting([Term(Kind.MEAN, count, "mean"), Term(None, None, "a Mul op")], 2, 1)
 
 
 def test_prepare_loop_refuses_what_it_cannot_use() -> None:
