@@ -242,9 +242,11 @@ def convention_loop(
     batch: int = 16,
     epochs: int = 2,
     lr: float = 0.2,
+    clip: float | None = None,
 ) -> tuple[list[np.ndarray], Any]:
     """A small SGD loop whose loss is written in ``convention``; returns the weights and
-    the optimizer."""
+    the optimizer. ``clip``: the step clips its gradients to this global norm (the
+    one-device reference of ``prepare_loop(clipnorm=...)``)."""
     _seeded(14)
     with strategy.scope():
         model = keras.Sequential(
@@ -280,6 +282,8 @@ def convention_loop(
             else:
                 raise ValueError(convention)
         grads = tape.gradient(loss, model.trainable_variables)
+        if clip is not None:
+            grads, _ = tf.clip_by_global_norm(grads, clip)
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         return loss
 

@@ -268,6 +268,32 @@ def test_a_model_prepared_for_fit_gives_one_device_weights_in_a_custom_loop() ->
     assert _per_variable(two, one) <= TOLERANCE
 
 
+def test_clipnorm_clips_the_all_reduced_gradient_as_one_device_clips_its_own() -> None:
+    x, y = DATA[0][:64], DATA[1][:64]
+    one, _ = convention_loop(strategy_for(0), None, x, y, "reduce_mean", clip=0.05)
+
+    def clipped(model: Any, optimizer: Any) -> Any:
+        return tfscale.prepare_loop(model, optimizer, clipnorm=0.05)
+
+    two, _ = convention_loop(strategy_for(2), clipped, x, y, "reduce_mean")
+    unclipped, _ = convention_loop(strategy_for(0), None, x, y, "reduce_mean")
+    assert _per_variable(two, one) <= TOLERANCE
+    assert _per_variable(unclipped, one) > 1e-3  # the clip changed the update
+
+
+def test_a_non_finite_gradient_on_one_replica_skips_the_update_on_every_replica() -> None:
+    x, y = DATA[0][:32].copy(), DATA[1][:32]
+    x[20] = np.nan  # batch 2 of 16, replica 0's half only; batch 1 is finite
+    before, _ = convention_loop(strategy_for(0), None, x[:16], y[:16], "reduce_mean", epochs=1)
+    two, optimizer = convention_loop(strategy_for(2), _prepare, x, y, "reduce_mean", epochs=1)
+    state = loop_state(optimizer)
+    assert state is not None
+    assert int(state.update.skipped.numpy()) == 1
+    # The weights are those after the finite first batch, on both replicas.
+    assert _per_variable(two, before) <= TOLERANCE
+    assert all(np.isfinite(w).all() for w in two)
+
+
 def test_the_weighting_of_each_kind_and_the_refusal_of_mixed_kinds() -> None:
     from tfscale.training.conventions import Kind, Term, weighting
 

@@ -125,10 +125,24 @@ def record_reduction(output: Any, term: Term) -> None:
     """Remembers, in this replica's thread, that ``output`` is a loss of ``term``'s kind."""
     if not _in_replica():
         return
+    _remember(output, term)
+
+
+# Reductions recorded per thread and not yet consumed by a gradient: a bound, because an
+# eager loop that computes losses under strategy.run without differentiating them (an
+# evaluation step on MultiWorkerMirrored's main thread) would otherwise keep every tensor.
+_KEPT = 256
+
+
+def _remember(output: Any, value: Any) -> None:
     try:
-        _recorded()[output.ref()] = term
+        key = output.ref()
     except (AttributeError, TypeError):
         return
+    found = _recorded()
+    found[key] = value
+    while len(found) > _KEPT:
+        del found[next(iter(found))]
 
 
 def recorded(output: Any) -> Any:
@@ -144,10 +158,7 @@ def record_scaled(output: Any, loss: Any) -> None:
     ``scale_loss``, which unscales the gradients itself): its kind is ``loss``'s."""
     if not _in_replica():
         return
-    try:
-        _recorded()[output.ref()] = loss
-    except (AttributeError, TypeError):
-        return
+    _remember(output, loss)
 
 
 def forget_recorded() -> None:
