@@ -10,9 +10,10 @@ the replicas' gradients ``g_r``:
 the loss a replica differentiates      kind               beta_r           weight, count
 =====================================  =================  ===============  ==============
 ``tf.reduce_mean(per_example)``        ``MEAN``           ``c_r / B``      ``c_r g``, c_r
-Keras ``Loss`` object (mean; Keras     ``SCALED_MEAN``    ``N c_r / B``    ``N c_r g``,
-divides it by N itself)                                                    c_r
-``tf.nn.compute_average_loss(v)``      ``SCALED_MEAN``    ``N c_r / B``    as above
+Keras ``Loss`` object (mean; Keras     ``SCALED_MEAN``    ``N c_r / B``    ``N g``, 1 (no
+divides it by N itself)                                                    count: ``c_r``
+                                                                           taken equal)
+``tf.nn.compute_average_loss(v)``      ``SCALED_MEAN``    ``N c_r / B``    ``N c_r g``, c_r
 ``compute_average_loss(v, global_``    ``GLOBAL``         ``1``            ``g``, 1/N
 ``batch_size=G)``,
 ``tf.nn.scale_regularization_loss``
@@ -58,7 +59,10 @@ __all__ = [
     "Term",
     "Weighting",
     "classify",
+    "forget_recorded",
+    "on_reduction",
     "record_reduction",
+    "record_scaled",
     "recorded",
     "weighting",
 ]
@@ -166,7 +170,7 @@ def forget_recorded() -> None:
     _LOCAL.reductions = {}
 
 
-_PASS_THROUGH = {"Identity", "Cast", "StopGradient"}  # StopGradient: never a loss term alone
+_PASS_THROUGH = {"Identity", "Cast"}
 _ADD = {"AddV2", "Add", "AddN"}
 
 
@@ -184,7 +188,7 @@ def _terms(target: Any, depth: int = 0) -> list[Term]:
     op = getattr(target, "op", None)
     if op is None or depth > 64:
         return [Term(None, None, "a scalar computed eagerly (outside tf.function)")]
-    if op.type in _PASS_THROUGH and op.type != "StopGradient":
+    if op.type in _PASS_THROUGH:
         return _terms(op.inputs[0], depth + 1)
     if op.type in _ADD:
         return [term for value in op.inputs for term in _terms(value, depth + 1)]
