@@ -347,6 +347,9 @@ def watch_gradient_targets(callback: Callable[[Any, Any], None]) -> None:
             return
         original = tape.gradient
 
+        # Not converted by AutoGraph when a tf.function's code calls it: the watchers are
+        # tfscale's Python, run at trace time (AutoGraph mangled their arguments).
+        @tf.autograph.experimental.do_not_convert
         def gradient(self: Any, target: Any, sources: Any, *args: Any, **kwargs: Any) -> Any:
             for watcher in list(_GRADIENT_WATCHERS):
                 watcher(target, sources)
@@ -387,6 +390,9 @@ def watch_loss_reductions(callback: Callable[[str, Any, Any, dict[str, Any]], No
 
 
 def _reduction_wrapper(original: Callable[..., Any], name: str) -> Callable[..., Any]:
+    import tensorflow as tf
+
+    @tf.autograph.experimental.do_not_convert  # as watch_gradient_targets' wrapper
     def reduction(*args: Any, **kwargs: Any) -> Any:
         output = original(*args, **kwargs)
         for watcher in list(_REDUCTION_WATCHERS):

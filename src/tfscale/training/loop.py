@@ -160,6 +160,7 @@ def _build_outside_steps(model: Any, strategy: tf.distribute.Strategy) -> None:
     # functools.wraps keeps build's signature, from which Keras's __call__ picks the
     # shapes it passes (keras/src/layers/layer.py, update_shapes_dict_for_target_fn).
     @functools.wraps(build)
+    @tf.autograph.experimental.do_not_convert
     def outside_steps(*args: Any, **kwargs: Any) -> Any:
         context = tf.distribute.get_replica_context()
         if context is None or tf.executing_eagerly() or not tf.distribute.has_strategy():
