@@ -296,12 +296,19 @@ def test_watch_gradient_targets_sees_the_target_and_keeps_the_gradient() -> None
         seen.append((target, sources))
 
     internals.watch_gradient_targets(watcher)
-    internals.watch_gradient_targets(watcher)  # installed and registered once
-    variable = tf.Variable(3.0)
+    undo = internals.watch_gradient_targets(watcher)  # installed and registered once
+    try:
+        variable = tf.Variable(3.0)
+        with tf.GradientTape() as tape:
+            loss = variable * variable
+        assert float(tape.gradient(loss, variable)) == 6.0
+    finally:
+        undo()
+    assert len(seen) == 1 and seen[0][0] is loss and seen[0][1] is variable
     with tf.GradientTape() as tape:
         loss = variable * variable
-    assert float(tape.gradient(loss, variable)) == 6.0
-    assert len(seen) == 1 and seen[0][0] is loss and seen[0][1] is variable
+    tape.gradient(loss, variable)
+    assert len(seen) == 1  # unregistered
 
 
 def test_watch_loss_reductions_records_keras_and_tf_nn_reductions() -> None:
@@ -310,7 +317,7 @@ def test_watch_loss_reductions_records_keras_and_tf_nn_reductions() -> None:
     _require(tf.nn, "compute_average_loss", "watch_loss_reductions", "training.loop")
     _require(tf.nn, "scale_regularization_loss", "watch_loss_reductions", "training.loop")
     seen: list[str] = []
-    internals.watch_loss_reductions(lambda name, output, args, kwargs: seen.append(name))
+    undo = internals.watch_loss_reductions(lambda name, output, args, kwargs: seen.append(name))
     strategy = mirrored_on_cpus(2)
 
     def replica() -> Any:
@@ -318,7 +325,10 @@ def test_watch_loss_reductions_records_keras_and_tf_nn_reductions() -> None:
         average = tf.nn.compute_average_loss(tf.ones(2))
         return mean, average, tf.nn.scale_regularization_loss(tf.constant(2.0))
 
-    mean, average, regularization = strategy.run(replica)
+    try:
+        mean, average, regularization = strategy.run(replica)
+    finally:
+        undo()
     # What the originals return: a Keras mean divided by 2 replicas, 2 / (2 * 2), 2 / 2.
     values = [strategy.experimental_local_results(v)[0] for v in (mean, average, regularization)]
     assert [float(v) for v in values] == [0.5, 0.5, 1.0]

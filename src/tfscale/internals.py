@@ -327,7 +327,7 @@ _GRADIENT_WATCHERS: list[Callable[[Any, Any], None]] = []
 _REDUCTION_WATCHERS: list[Callable[[str, Any, Any, dict[str, Any]], None]] = []
 
 
-def watch_gradient_targets(callback: Callable[[Any, Any], None]) -> None:
+def watch_gradient_targets(callback: Callable[[Any, Any], None]) -> Callable[[], None]:
     """Calls ``callback(target, sources)`` before every ``tf.GradientTape.gradient``.
 
     Installed once (a wrapper of the method on ``tf.GradientTape``, kept for the process);
@@ -335,16 +335,16 @@ def watch_gradient_targets(callback: Callable[[Any, Any], None]) -> None:
     code: this is where tfscale sees which loss a replica differentiates
     (``training/conventions.py``), so that the distributed update can weigh the gradient
     as one device's. TensorFlow has no public hook on a tape's target. A callback that
-    raises stops the ``gradient`` call with its error.
+    raises stops the ``gradient`` call with its error. Returns a function that unregisters
+    the callback (the wrapper stays).
     """
     import tensorflow as tf
 
+    undo = _register(_GRADIENT_WATCHERS, callback)
     with _WATCH_LOCK:
-        if callback not in _GRADIENT_WATCHERS:
-            _GRADIENT_WATCHERS.append(callback)
         tape = tf.GradientTape
         if getattr(tape.gradient, "_tfscale_watched", False):
-            return
+            return undo
         original = tape.gradient
 
         # Not converted by AutoGraph when a tf.function's code calls it: the watchers are
@@ -358,9 +358,25 @@ def watch_gradient_targets(callback: Callable[[Any, Any], None]) -> None:
         gradient._tfscale_watched = True  # type: ignore[attr-defined]
         gradient.__doc__ = original.__doc__
         tape.gradient = gradient  # type: ignore[method-assign]
+    return undo
 
 
-def watch_loss_reductions(callback: Callable[[str, Any, Any, dict[str, Any]], None]) -> None:
+def _register(watchers: list[Any], callback: Any) -> Callable[[], None]:
+    with _WATCH_LOCK:
+        if callback not in watchers:
+            watchers.append(callback)
+
+    def undo() -> None:
+        with _WATCH_LOCK:
+            if callback in watchers:
+                watchers.remove(callback)
+
+    return undo
+
+
+def watch_loss_reductions(
+    callback: Callable[[str, Any, Any, dict[str, Any]], None],
+) -> Callable[[], None]:
     """Calls ``callback(name, output, args, kwargs)`` after each loss reduction that scales
     by the replica count or the global batch.
 
@@ -370,12 +386,12 @@ def watch_loss_reductions(callback: Callable[[str, Any, Any, dict[str, Any]], No
     once, as wrappers that return what the original returns; the module attributes are
     replaced, which is how user code and Keras's ``reduce_values`` look them up.
     (``replica_count_scaling_off`` saves and restores whichever function is installed.)
+    Returns a function that unregisters the callback (the wrappers stay).
     """
     import tensorflow as tf
 
+    undo = _register(_REDUCTION_WATCHERS, callback)
     with _WATCH_LOCK:
-        if callback not in _REDUCTION_WATCHERS:
-            _REDUCTION_WATCHERS.append(callback)
         module = keras_loss_module()
         targets = [
             (module, "scale_loss_for_distribution", "keras_scale"),
@@ -387,6 +403,7 @@ def watch_loss_reductions(callback: Callable[[str, Any, Any, dict[str, Any]], No
             if getattr(original, "_tfscale_watched", False):
                 continue
             setattr(owner, attribute, _reduction_wrapper(original, name))
+    return undo
 
 
 def _reduction_wrapper(original: Callable[..., Any], name: str) -> Callable[..., Any]:
