@@ -128,13 +128,17 @@ def test_a_declared_convention_gives_one_device_weights(convention: str, declare
     assert _per_variable(two, one) <= TOLERANCE
 
 
-def test_an_uneven_split_is_weighted_by_examples() -> None:
+@pytest.mark.parametrize("convention", ["reduce_mean", "keras_object", "compute_average_loss"])
+def test_an_uneven_split_is_weighted_by_examples(convention: str) -> None:
     # Batches of 15: replica 0 gets 8 examples, replica 1 gets 7; a mean of each replica's
     # loss weighs them by their examples, as one device's mean over 15 does.
     x, y = DATA[0][:60], DATA[1][:60]
-    one, _ = convention_loop(strategy_for(0), None, x, y, "reduce_mean", batch=15)
-    two, _ = convention_loop(strategy_for(2), _prepare, x, y, "reduce_mean", batch=15)
+    one, _ = convention_loop(strategy_for(0), None, x, y, convention, batch=15)
+    two, _ = convention_loop(strategy_for(2), _prepare, x, y, convention, batch=15)
     assert _per_variable(two, one) <= TOLERANCE
+    if convention != "reduce_mean":  # Keras alone averages the replicas' means equally
+        alone, _ = convention_loop(strategy_for(2), None, x, y, convention, batch=15)
+        assert _per_variable(alone, one) > 10 * TOLERANCE
 
 
 @pytest.mark.parametrize("convention", ["reduce_mean", "keras_object"])

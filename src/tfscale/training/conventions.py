@@ -10,9 +10,9 @@ the replicas' gradients ``g_r``:
 the loss a replica differentiates      kind               beta_r           weight, count
 =====================================  =================  ===============  ==============
 ``tf.reduce_mean(per_example)``        ``MEAN``           ``c_r / B``      ``c_r g``, c_r
-Keras ``Loss`` object (mean; Keras     ``SCALED_MEAN``    ``N c_r / B``    ``N g``, 1 (no
-divides it by N itself)                                                    count: ``c_r``
-                                                                           taken equal)
+Keras ``Loss`` object (mean; Keras     ``SCALED_MEAN``    ``N c_r / B``    ``N c_r g``, c_r
+divides it by N itself)                                                    (eager: ``N g``,
+                                                                           1: no count)
 ``tf.nn.compute_average_loss(v)``      ``SCALED_MEAN``    ``N c_r / B``    ``N c_r g``, c_r
 ``compute_average_loss(v, global_``    ``GLOBAL``         ``1``            ``g``, 1/N
 ``batch_size=G)``,
@@ -295,7 +295,15 @@ def on_reduction(name: str, output: Any, args: Any, kwargs: dict[str, Any]) -> N
     if not _in_replica():
         return
     if name == "keras_scale":
-        record_reduction(output, Term(Kind.SCALED_MEAN, None, "a Keras Loss object's mean"))
+        # Keras's reduce_values divides the sum by the examples (divide_no_nan(sum, count))
+        # and hands the mean to scale_loss_for_distribution: in a graph the count is that
+        # op's divisor, which weighs an uneven split as one device's mean does.
+        mean = _argument(args, kwargs, 0, "value")
+        op = getattr(mean, "op", None)
+        count = None
+        if op is not None and op.type == "DivNoNan" and len(op.inputs) == 2:
+            count = tf.cast(op.inputs[1], tf.float32)
+        record_reduction(output, Term(Kind.SCALED_MEAN, count, "a Keras Loss object's mean"))
     elif name == "scale_regularization_loss":
         record_reduction(output, Term(Kind.GLOBAL, None, "tf.nn.scale_regularization_loss"))
     elif name == "compute_average_loss":
