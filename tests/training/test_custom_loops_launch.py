@@ -2,10 +2,12 @@
 over 2 worker processes, collective all-reduce over gRPC), each with its one
 ``tfscale.prepare_loop`` line, give one device's weights: the tutorial's loop (a model
 without ``Input`` and Adam, both built by the first replica step, which fails unprepared
-under the collective all-reduce), the Keras guide's and the users' loop."""
+under the collective all-reduce), the Keras guide's and the users' loop, and accumulation
+over 2 batches (one all-reduce per update)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,7 +19,7 @@ import pytest
 from tfscale.testing import relative_difference
 
 from .helpers import DATA, strategy_for
-from .loops import guide_loop, images, tutorial_loop, user_loop
+from .loops import convention_loop, guide_loop, images, tutorial_loop, user_loop
 
 pytestmark = [pytest.mark.tf, pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -53,9 +55,16 @@ def test_custom_loops_under_tfscale_launch_give_one_device_weights(tmp_path: Pat
         "guide": guide_loop(one, None, x, y),
         "user_sgd": user_loop(one, None, x[:96], y[:96], optimizer_name="sgd"),
         "user_adam": user_loop(one, None, x[:96], y[:96], optimizer_name="adam"),
+        # accumulation_steps=2 over batches of 16 == one device on batches of 32
+        "accumulated": convention_loop(one, None, x[:64], y[:64], "reduce_mean", batch=32)[0],
     }
     for name, reference in references.items():
         for worker in range(2):
             got = _weights(tmp_path / f"{name}-{worker}.npz")
             worst = max(relative_difference([g], [w]) for g, w in zip(got, reference, strict=True))
             assert worst <= 1e-5, (name, worker, worst)
+    for worker in range(2):
+        report = json.loads((tmp_path / f"worker{worker}.json").read_text())
+        # 4 batches x 2 epochs, 2 per update: 4 updates, each one all-reduce.
+        assert report["replicas"] == 2
+        assert (report["accumulated_updates"], report["accumulated_all_reduces"]) == (4, 4)
