@@ -319,6 +319,28 @@ def test_the_weighting_of_each_kind_and_the_refusal_of_mixed_kinds() -> None:
         weighting([Term(Kind.MEAN, count, "mean"), Term(None, None, "a Mul op")], 2, 1)
 
 
+def test_gradients_tfscale_did_not_see_computed_are_refused_unless_declared() -> None:
+    strategy = strategy_for(2)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        optimizer = keras.optimizers.SGD(0.1)
+    tfscale.prepare_loop(model, optimizer)
+
+    def step() -> None:
+        grads = [tf.ones_like(v) for v in model.trainable_variables]  # no tape.gradient
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+
+    with pytest.raises(tfscale.TrainingError, match="did not see computed"):
+        tf.function(lambda: strategy.run(step))()
+    assert int(optimizer.iterations.numpy()) == 0
+    before = model.trainable_variables[0].numpy()
+    tfscale.prepare_loop(model, optimizer, loss="mean")  # the gradient is a mean: stated
+    tf.function(lambda: strategy.run(step))()
+    assert int(optimizer.iterations.numpy()) == 1
+    # The mean of both replicas' gradient of ones is ones: one SGD step of 0.1, not 0.2.
+    np.testing.assert_allclose(model.trainable_variables[0].numpy(), before - 0.1, rtol=1e-6)
+
+
 def test_prepare_loop_refuses_what_it_cannot_use() -> None:
     strategy = strategy_for(2)
     with strategy.scope():

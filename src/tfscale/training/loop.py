@@ -100,11 +100,14 @@ class LoopState:
         """The :class:`StepContext` of this replica's ``apply`` (consumes the weighting)."""
         weighting = _pending().pop(id(update), None)
         if weighting is None:
+            context = tf.distribute.get_replica_context()
+            replicas = 1 if context is None else int(context.num_replicas_in_sync)
             if self.loss != "auto":
                 terms = conventions.classify(None, self.loss)
-                context = tf.distribute.get_replica_context()
-                replicas = 1 if context is None else int(context.num_replicas_in_sync)
                 weighting = conventions.weighting(terms, replicas, update.accumulation_steps)
+            elif replicas == 1 and update.accumulation_steps == 1:
+                one = tf.constant(1.0)  # one device's update whatever the loss
+                weighting = Weighting(one, one, conventions.Kind.MEAN)
             else:
                 raise TrainingError(
                     explain(
