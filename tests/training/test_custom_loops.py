@@ -341,6 +341,25 @@ def test_gradients_tfscale_did_not_see_computed_are_refused_unless_declared() ->
     np.testing.assert_allclose(model.trainable_variables[0].numpy(), before - 0.1, rtol=1e-6)
 
 
+def test_a_gradient_the_loop_does_not_apply_is_no_error() -> None:
+    # A gradient of the prepared model's variables taken for another purpose (a norm to
+    # log) is not refused, whatever its loss: only an update with it would be wrong.
+    strategy = strategy_for(2)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        optimizer = keras.optimizers.SGD(0.1)
+    tfscale.prepare_loop(model, optimizer)
+
+    def step(x: Any) -> Any:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x)) / 7.0  # a loss tfscale cannot tell
+        return tf.linalg.global_norm(tape.gradient(loss, model.trainable_variables))
+
+    norms = tf.function(lambda x: strategy.run(step, args=(x,)))(tf.ones((4, 3)))
+    assert float(strategy.experimental_local_results(norms)[0]) > 0.0
+    assert int(optimizer.iterations.numpy()) == 0
+
+
 def test_prepare_loop_refuses_what_it_cannot_use() -> None:
     strategy = strategy_for(2)
     with strategy.scope():

@@ -56,7 +56,7 @@ _LOOPS: list[weakref.ref[LoopState]] = []
 _LOOPS_LOCK = threading.Lock()
 
 
-def _pending() -> dict[int, Weighting]:
+def _pending() -> dict[int, Weighting | TrainingError]:
     found = getattr(_LOCAL, "pending", None)
     if found is None:
         found = _LOCAL.pending = {}
@@ -88,17 +88,25 @@ class LoopState:
         replicas = 1 if context is None else int(context.num_replicas_in_sync)
         steps = self.update.accumulation_steps
         terms = conventions.classify(target, self.loss)
+        pending: Weighting | TrainingError
         if replicas == 1 and steps == 1 and any(t.kind is None for t in terms):
             # One replica and one batch per update: every convention is one device's.
             one = tf.constant(1.0)
-            weighting = Weighting(one, one, conventions.Kind.MEAN)
+            pending = Weighting(one, one, conventions.Kind.MEAN)
         else:
-            weighting = conventions.weighting(terms, replicas, steps)
-        _pending()[id(self.update)] = weighting
+            try:
+                pending = conventions.weighting(terms, replicas, steps)
+            except TrainingError as error:
+                # Raised by the optimizer's apply, not here: a gradient the loop does not
+                # apply with this optimizer (an analysis, another model's update) is no error.
+                pending = error
+        _pending()[id(self.update)] = pending
 
     def step_for(self, update: DistributedUpdate, variables: list[Any]) -> StepContext:
         """The :class:`StepContext` of this replica's ``apply`` (consumes the weighting)."""
         weighting = _pending().pop(id(update), None)
+        if isinstance(weighting, TrainingError):
+            raise weighting
         if weighting is None:
             context = tf.distribute.get_replica_context()
             replicas = 1 if context is None else int(context.num_replicas_in_sync)
