@@ -3,7 +3,9 @@ over 2 worker processes, collective all-reduce over gRPC), each with its one
 ``tfscale.prepare_loop`` line, give one device's weights: the tutorial's loop (a model
 without ``Input`` and Adam, both built by the first replica step, which fails unprepared
 under the collective all-reduce), the Keras guide's and the users' loop, and accumulation
-over 2 batches (one all-reduce per update)."""
+over 2 batches (one all-reduce per update). And the tutorial's loop under
+``tf.distribute.MirroredStrategy()``'s default (collective) all-reduce over 2 logical CPUs,
+in a child process: unchanged it fails on its first step, with the line it trains."""
 
 from __future__ import annotations
 
@@ -68,3 +70,54 @@ def test_custom_loops_under_tfscale_launch_give_one_device_weights(tmp_path: Pat
         # 4 batches x 2 epochs, 2 per update: 4 updates, each one all-reduce.
         assert report["replicas"] == 2
         assert (report["accumulated_updates"], report["accumulated_all_reduces"]) == (4, 4)
+
+
+_MIRRORED_CHILD = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import tfscale  # first: it splits the CPU into TFSCALE_VIRTUAL_DEVICES before TF starts
+import tensorflow as tf
+strategy = tf.distribute.MirroredStrategy()  # the default: collective all-reduce on CPUs
+from training.loops import images, tutorial_loop
+prepare = (lambda m, o: tfscale.prepare_loop(m, o)) if sys.argv[2] == "prepared" else None
+x, y = images(64)
+try:
+    weights = tutorial_loop(strategy, prepare, x, y)
+except Exception as error:
+    text = str(error)
+    start = max(0, text.find("You must feed"))
+    print("FAILED", type(error).__name__, text[start : start + 200].replace(chr(10), " "))
+else:
+    np.savez(sys.argv[3], *weights)
+    print("TRAINED", strategy.num_replicas_in_sync)
+"""
+
+
+def test_the_tutorial_under_mirroreds_default_all_reduce_fails_unchanged_and_trains_prepared(
+    tmp_path: Path,
+) -> None:
+    from tfscale.testing import run_python
+
+    tests = str(Path(__file__).resolve().parents[1])
+    outcomes = {}
+    for mode in ("unchanged", "prepared"):
+        done = run_python(
+            _MIRRORED_CHILD,
+            virtual_devices=2,
+            args=[tests, mode, str(tmp_path / f"{mode}.npz")],
+            timeout=180,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        outcomes[mode] = done.stdout
+    # The tutorial's Sequential without Input and its Adam are built by the first replica
+    # step, which fails under the collective all-reduce ...
+    assert "FAILED InvalidArgumentError" in outcomes["unchanged"], outcomes["unchanged"]
+    assert "You must feed a value for placeholder tensor" in outcomes["unchanged"]
+    # ... and with the one line trains to one device's weights.
+    assert "TRAINED 2" in outcomes["prepared"], outcomes["prepared"]
+    x, y = images(64)
+    reference = tutorial_loop(strategy_for(0), None, x, y)
+    got = _weights(tmp_path / "prepared.npz")
+    worst = max(relative_difference([g], [w]) for g, w in zip(got, reference, strict=True))
+    assert worst <= 1e-5, worst
