@@ -159,14 +159,17 @@ def _hook_loop_losses(log: _EventLog) -> None:
 
     from tfscale import internals
     from tfscale.scope import creation_stack
-    from tfscale.training import conventions
-    from tfscale.training.loop import prepared_sources
-    from tfscale.training.optimizer import step_in_progress
 
     seen: set[tuple[str, ...]] = set()
 
+    # tfscale.training is imported at the first gradient or reduction, not before the
+    # script runs: the script configures TensorFlow first, as it would without the doctor.
     def on_gradient(target: Any, sources: Any) -> None:
         try:
+            from tfscale.training import conventions
+            from tfscale.training.loop import prepared_sources
+            from tfscale.training.optimizer import step_in_progress
+
             if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
                 return
             replicas = tf.distribute.get_replica_context().num_replicas_in_sync
@@ -188,8 +191,13 @@ def _hook_loop_losses(log: _EventLog) -> None:
         except Exception:  # never let the instrumentation break the user's step
             return
 
+    def on_reduction(name: str, output: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        from tfscale.training import conventions
+
+        conventions.on_reduction(name, output, args, kwargs)
+
     internals.watch_gradient_targets(on_gradient)
-    internals.watch_loss_reductions(conventions.on_reduction)
+    internals.watch_loss_reductions(on_reduction)
 
 
 def _has_device(value: Any) -> bool:
