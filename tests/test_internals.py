@@ -9,6 +9,7 @@ outside ``internals.py`` reaches a private name.
 from __future__ import annotations
 
 import ast
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -366,6 +367,38 @@ def test_autograph_origin_maps_generated_code_to_the_users_line() -> None:
     filename, number, function = seen[0]
     assert (Path(filename).resolve(), number, function) == (here, line, "step")
     assert internals.autograph_origin(step.__code__, line) is None  # not generated code
+
+
+def test_the_switches_act_in_the_thread_that_entered_them_only() -> None:
+    # Two fits tracing at once in two threads each keep their own setting, and leaving one
+    # restores Keras's behaviour for good, whatever the other thread does (#21.4).
+    module = internals.keras_loss_module()
+    plain = keras.optimizers.SGD(0.1)
+    inside, leave = threading.Event(), threading.Event()
+    seen: list[Any] = []
+
+    def other_thread() -> None:
+        with (
+            internals.replica_count_scaling_off(),
+            internals.builtin_all_reduce_replaced(lambda self, pairs: "refused"),
+        ):
+            inside.set()
+            leave.wait(30)
+            seen.append(plain._all_reduce_sum_gradients([]))
+
+    with mirrored_on_cpus(2).scope():
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        assert inside.wait(30)
+        assert float(module.scale_loss_for_distribution(tf.constant(4.0))) == 2.0
+        assert plain._all_reduce_sum_gradients([]) == []
+        with internals.replica_count_scaling_off():
+            leave.set()
+            thread.join(30)
+            assert float(module.scale_loss_for_distribution(tf.constant(4.0))) == 4.0
+        assert float(module.scale_loss_for_distribution(tf.constant(4.0))) == 2.0
+        assert float(module.unscale_loss_for_distribution(tf.constant(4.0))) == 8.0
+    assert seen == ["refused"]
 
 
 def test_strategy_supports_no_merge_call() -> None:

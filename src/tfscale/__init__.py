@@ -101,7 +101,9 @@ if os.environ.get("TFSCALE_VIRTUAL_DEVICES"):
     _env_request()  # a bad value fails here, at import tfscale
 
     def _apply_virtual_devices() -> None:
-        from tfscale.devices import apply_env_virtual_devices
+        # Not tfscale.devices: it may be the module whose import of TensorFlow is running
+        # now; logical_devices imports TensorFlow only inside its functions (#21.4).
+        from tfscale.logical_devices import apply_env_virtual_devices
 
         apply_env_virtual_devices()
 

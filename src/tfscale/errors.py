@@ -72,8 +72,18 @@ class ScopeError(TfscaleError):
     """A model's variables are not distributed by the strategy it is used with."""
 
 
-class TrainingError(TfscaleError):
-    """``tfscale.fit`` received inputs or settings it cannot train with."""
+class TrainingError(TfscaleError, ValueError):
+    """``tfscale.fit`` received inputs or settings it cannot train with.
+
+    Also a ``ValueError``, which Keras's ``model.fit`` raises for its arguments, so that an
+    ``except ValueError`` written around ``model.fit`` keeps working around ``tfscale.fit``.
+    """
+
+    # Raised inside a user's tf.function (a custom loop's refusal, training/loop.py),
+    # AutoGraph re-creates an error of the same type only when its __init__ is
+    # Exception.__init__ (tensorflow/python/autograph/pyct/error_utils.py,
+    # create_exception); ValueError's own would turn it into an AutoGraph StagingError.
+    __init__ = Exception.__init__
 
 
 class NonFiniteLossError(TrainingError):

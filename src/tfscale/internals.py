@@ -17,6 +17,7 @@ TensorFlow-free (the doctor's parent side uses it). Nothing else in tfscale outs
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -264,22 +265,57 @@ def disable_builtin_all_reduce(optimizer: Any) -> None:
         override(optimizer, "_all_reduce_sum_gradients", list)
 
 
+# The per-call settings of the switches below (``builtin_all_reduce_replaced``,
+# ``replica_count_scaling_off``). The Keras names are replaced once, for good, by functions
+# that read these variables and otherwise do what Keras's own did. Swapping the Keras names
+# while a step was traced and restoring them after was global state: two fits tracing at
+# once in two threads (a TaskPool's) interleaved the swaps, the second saved the first one's
+# replacement as "the original" and restored it for good (#21.4). A ``contextvars`` variable
+# is per thread, so each step sees its own setting.
+_ALL_REDUCE_REPLACEMENT: contextvars.ContextVar[Callable[[Any, Any], Any] | None] = (
+    contextvars.ContextVar("tfscale_all_reduce_replacement", default=None)
+)
+_PER_REPLICA_LOSSES: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "tfscale_per_replica_losses", default=False
+)
+_INSTALL = threading.Lock()
+_ORIGINAL = "__tfscale_original__"  # on an installed switch: the Keras function it wraps
+
+
+def _install_all_reduce_switch() -> None:
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    with _INSTALL:
+        current = TFOptimizer.__dict__["_all_reduce_sum_gradients"]
+        if hasattr(current, _ORIGINAL):
+            return
+
+        def switched(self: Any, grads_and_vars: Any) -> Any:
+            replacement = _ALL_REDUCE_REPLACEMENT.get()
+            if replacement is None:
+                return current(self, grads_and_vars)
+            return replacement(self, grads_and_vars)
+
+        setattr(switched, _ORIGINAL, current)
+        TFOptimizer._all_reduce_sum_gradients = switched
+
+
 @contextlib.contextmanager
 def builtin_all_reduce_replaced(replacement: Callable[[Any, Any], Any]) -> Iterator[None]:
-    """Replaces ``TFOptimizer._all_reduce_sum_gradients`` on the class while active.
+    """Replaces ``TFOptimizer._all_reduce_sum_gradients`` while active, in this thread.
 
     Optimizers prepared by tfscale override it on the instance
     (:func:`disable_builtin_all_reduce`), which wins; any other optimizer reaching its
-    built-in all-reduce calls ``replacement(optimizer, grads_and_vars)`` instead.
+    built-in all-reduce calls ``replacement(optimizer, grads_and_vars)`` instead. Only code
+    running in the thread that entered this sees it: enter it inside the replica function
+    (MirroredStrategy runs each replica in a thread of its own).
     """
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer
-
-    saved = TFOptimizer.__dict__["_all_reduce_sum_gradients"]
-    TFOptimizer._all_reduce_sum_gradients = replacement
+    _install_all_reduce_switch()
+    token = _ALL_REDUCE_REPLACEMENT.set(replacement)
     try:
         yield
     finally:
-        TFOptimizer._all_reduce_sum_gradients = saved
+        _ALL_REDUCE_REPLACEMENT.reset(token)
 
 
 def optimizer_trainable_variables(optimizer: Any) -> list[Any]:
@@ -295,9 +331,24 @@ def keras_loss_module() -> Any:
     return loss
 
 
+def _install_loss_scaling_switch() -> None:
+    module = keras_loss_module()
+    with _INSTALL:
+        for name in ("scale_loss_for_distribution", "unscale_loss_for_distribution"):
+            current = getattr(module, name)
+            if hasattr(current, _ORIGINAL):
+                continue
+
+            def switched(value: Any, _keras: Callable[[Any], Any] = current) -> Any:
+                return value if _PER_REPLICA_LOSSES.get() else _keras(value)
+
+            setattr(switched, _ORIGINAL, current)
+            setattr(module, name, switched)
+
+
 @contextlib.contextmanager
 def replica_count_scaling_off() -> Iterator[None]:
-    """Lets losses computed while this is active be per-replica means, unscaled.
+    """Lets losses computed while this is active, in this thread, be per-replica means.
 
     Under a strategy with N replicas Keras divides each ``Loss`` result and the sum of the
     model's extra losses by N (``scale_loss_for_distribution``) and multiplies the loss
@@ -306,20 +357,16 @@ def replica_count_scaling_off() -> Iterator[None]:
     loss is scaled once, twice or never depending on how it was written, and an uneven split
     of a batch is weighted wrongly (tensorflow/tensorflow#42446). tfscale instead weights
     each replica by its example count in its own all-reduce, so every loss must be the plain
-    per-replica value while the step is traced.
+    per-replica value while the step is traced. Only code running in the thread that entered
+    this sees it: enter it inside the replica function (MirroredStrategy runs each replica in
+    a thread of its own); other threads keep Keras's scaling.
     """
-    module = keras_loss_module()
-    saved = (module.scale_loss_for_distribution, module.unscale_loss_for_distribution)
-    module.scale_loss_for_distribution = _identity
-    module.unscale_loss_for_distribution = _identity
+    _install_loss_scaling_switch()
+    token = _PER_REPLICA_LOSSES.set(True)
     try:
         yield
     finally:
-        module.scale_loss_for_distribution, module.unscale_loss_for_distribution = saved
-
-
-def _identity(value: Any) -> Any:
-    return value
+        _PER_REPLICA_LOSSES.reset(token)
 
 
 _WATCH_LOCK = threading.Lock()
@@ -400,10 +447,22 @@ def watch_loss_reductions(
         ]
         for owner, attribute, name in targets:
             original = getattr(owner, attribute)
-            if getattr(original, "_tfscale_watched", False):
+            if _watched(original):
                 continue
             setattr(owner, attribute, _reduction_wrapper(original, name))
     return undo
+
+
+def _watched(function: Any) -> bool:
+    """Whether a reduction wrapper is in the chain of wrappers ending at ``function``
+    (``replica_count_scaling_off``'s switch may sit above or below it)."""
+    seen = 0
+    while function is not None and seen < 16:
+        if getattr(function, "_tfscale_watched", False):
+            return True
+        function = getattr(function, _ORIGINAL, None) or getattr(function, "__wrapped__", None)
+        seen += 1
+    return False
 
 
 def _reduction_wrapper(original: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -417,6 +476,11 @@ def _reduction_wrapper(original: Callable[..., Any], name: str) -> Callable[...,
         return output
 
     reduction._tfscale_watched = True  # type: ignore[attr-defined]
+    reduction.__wrapped__ = original  # type: ignore[attr-defined]
+    if hasattr(original, _ORIGINAL):
+        # Above replica_count_scaling_off's switch: mark the chain as switched, so that the
+        # switch is not installed a second time above this wrapper.
+        setattr(reduction, _ORIGINAL, original)
     reduction.__doc__ = original.__doc__
     reduction.__name__ = getattr(original, "__name__", name)
     return reduction

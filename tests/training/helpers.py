@@ -64,7 +64,7 @@ def reference_weights(
     batch: int,
     steps: int,
     optimizer: str = "sgd",
-    clipnorm: float | None = None,
+    global_clipnorm: float | None = None,
     lr: float = 0.1,
     epochs: int = 1,
 ) -> list[np.ndarray]:
@@ -80,8 +80,8 @@ def reference_weights(
             with tf.GradientTape() as tape:
                 loss = model.compute_loss(x=xb, y=yb, y_pred=model(xb, training=True))
             grads = tape.gradient(loss, model.trainable_variables)
-            if clipnorm is not None:
-                grads, _ = tf.clip_by_global_norm(grads, clipnorm)
+            if global_clipnorm is not None:
+                grads, _ = tf.clip_by_global_norm(grads, global_clipnorm)
             model.optimizer.apply(grads, model.trainable_variables)
         return model.get_weights()
 

@@ -73,9 +73,11 @@ def test_a_validation_split_out_of_range() -> None:
 def test_checkpoint_folder_that_is_or_lies_under_a_file(tmp_path: Path) -> None:
     afile = tmp_path / "weights.h5"
     afile.write_text("not a folder")
-    assert "is a file" in _refused("checkpoint_dir cannot be created", x=X, y=Y,
-                                   checkpoint_dir=str(afile))  # fmt: skip
-    _refused("checkpoint_dir cannot be created", x=X, y=Y, checkpoint_dir=str(afile / "ck"))
+    message = _refused("checkpoint_dir .* cannot be created", x=X, y=Y, checkpoint_dir=str(afile))
+    assert "is a file" in message and str(afile) in message
+    under = afile / "ck"
+    message = _refused("checkpoint_dir .* cannot be created", x=X, y=Y, checkpoint_dir=str(under))
+    assert str(under) in message
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes to any folder")
@@ -83,6 +85,24 @@ def test_checkpoint_folder_that_cannot_be_written(tmp_path: Path) -> None:
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
     _refused("cannot be written", x=X, y=Y, checkpoint_dir=str(locked / "ck"))
+
+
+def test_checkpoint_folder_no_folder_can_be_made_in_is_refused_before_the_first_step() -> None:
+    # /proc passes os.access for root, yet no folder can be made in it: the first save
+    # failed after the first epoch with a raw NotFoundError (#21.5).
+    folder = f"/proc/tfscale-{os.getpid()}/ckpt"
+    message = _refused(f"checkpoint_dir {folder} cannot be", x=X, y=Y, checkpoint_dir=folder)
+    assert "Fix:" in message and not os.path.exists(folder)
+
+
+def test_a_writable_checkpoint_folder_is_created_and_left_without_the_test_file(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "new" / "ckpt"
+    tfscale.fit(_model(), X, Y, epochs=1, strategy=strategy_for(2), verbose=0,
+                checkpoint_dir=str(folder))  # fmt: skip
+    assert folder.is_dir()
+    assert not [name for name in os.listdir(folder) if name.startswith(".tfscale-write-test")]
 
 
 def test_checkpoint_of_another_model_is_refused_before_training(tmp_path: Path) -> None:

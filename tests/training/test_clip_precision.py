@@ -18,14 +18,19 @@ pytestmark = pytest.mark.tf
 CLIP = 0.05
 
 
-def test_clipnorm_clips_the_all_reduced_gradient() -> None:
+def test_global_clipnorm_clips_the_all_reduced_gradient() -> None:
     x, y = DATA
     strategy = strategy_for(2)
     model = tiny_model(strategy)
     tfscale.fit(
-        model, batches(x, y, 32), steps_per_epoch=3, clipnorm=CLIP, strategy=strategy, verbose=0
+        model,
+        batches(x, y, 32),
+        steps_per_epoch=3,
+        global_clipnorm=CLIP,
+        strategy=strategy,
+        verbose=0,
     )
-    clipped = reference_weights(x, y, batch=32, steps=3, clipnorm=CLIP)
+    clipped = reference_weights(x, y, batch=32, steps=3, global_clipnorm=CLIP)
     unclipped = reference_weights(x, y, batch=32, steps=3)
     assert relative_difference(model.get_weights(), clipped) <= 1e-5
     assert relative_difference(clipped, unclipped) > 1e-3  # the clip was active
@@ -38,7 +43,7 @@ def test_keras_global_clipnorm_under_mirrored_clips_each_replica_instead() -> No
     with strategy.scope():
         model = tiny_model(strategy, optimizer=keras.optimizers.SGD(0.1, global_clipnorm=CLIP))
     model.fit(batches(x, y, 32), steps_per_epoch=3, shuffle=False, verbose=0)
-    clipped = reference_weights(x, y, batch=32, steps=3, clipnorm=CLIP)
+    clipped = reference_weights(x, y, batch=32, steps=3, global_clipnorm=CLIP)
     assert relative_difference(model.get_weights(), clipped) > 1e-3
 
 

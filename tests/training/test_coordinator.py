@@ -18,7 +18,7 @@ pytestmark = pytest.mark.tf
 
 
 def test_unsupported_options_are_those_set_away_from_default() -> None:
-    assert unsupported_options({"accumulation_steps": 1, "clipnorm": None}) == []
+    assert unsupported_options({"accumulation_steps": 1, "global_clipnorm": None}) == []
     assert unsupported_options(
         {"accumulation_steps": 4, "mixed_precision": "bf16", "validation_data": ([1], [1])}
     ) == ["accumulation_steps", "mixed_precision", "validation_data"]

@@ -272,12 +272,12 @@ def test_a_model_prepared_for_fit_gives_one_device_weights_in_a_custom_loop() ->
     assert _per_variable(two, one) <= TOLERANCE
 
 
-def test_clipnorm_clips_the_all_reduced_gradient_as_one_device_clips_its_own() -> None:
+def test_global_clipnorm_clips_the_all_reduced_gradient_as_one_device_clips_its_own() -> None:
     x, y = DATA[0][:64], DATA[1][:64]
     one, _ = convention_loop(strategy_for(0), None, x, y, "reduce_mean", clip=0.05)
 
     def clipped(model: Any, optimizer: Any) -> Any:
-        return tfscale.prepare_loop(model, optimizer, clipnorm=0.05)
+        return tfscale.prepare_loop(model, optimizer, global_clipnorm=0.05)
 
     two, _ = convention_loop(strategy_for(2), clipped, x, y, "reduce_mean")
     unclipped, _ = convention_loop(strategy_for(0), None, x, y, "reduce_mean")

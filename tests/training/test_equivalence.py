@@ -239,7 +239,7 @@ def test_each_step_function_keeps_its_own_communication_options() -> None:
     and clips, as it was asked, after the second was built with none of it."""
     x, y = DATA
     strategy = strategy_for(2)
-    options = {"gradient_compression": "bf16", "bucket_bytes": 64, "clipnorm": 0.05}
+    options = {"gradient_compression": "bf16", "bucket_bytes": 64, "global_clipnorm": 0.05}
     weights = []
     for second in (False, True):
         model = tiny_model(strategy, "adam")
@@ -265,6 +265,7 @@ def test_unknown_gradient_compression_is_refused() -> None:
         )
 
 
+@pytest.mark.multiprocess
 def test_several_steps_per_call_under_mirroreds_default_collective_all_reduce() -> None:
     """Keras's own fit fails there with steps_per_execution > 1 ("You must feed a value for
     placeholder tensor"); in a fresh process, because a second collective MirroredStrategy

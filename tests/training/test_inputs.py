@@ -14,6 +14,7 @@ import tensorflow as tf
 import tfscale
 from tfscale.testing import relative_difference
 from tfscale.training import Trainer
+from tfscale.training.prepare import prepared
 
 from .helpers import CLASSES, DATA, FEATURES, batches, reference_weights, strategy_for, tiny_model
 from .parity.common import aligned, generator, regression, regressor
@@ -37,7 +38,8 @@ def test_uncompiled_model_is_refused_with_a_snippet() -> None:
         ({"accumulation_steps": 0}, "accumulation_steps must be a positive integer"),
         ({"steps_per_execution": 1.5}, "steps_per_execution must be a positive integer"),
         ({"mixed_precision": "int8"}, "Unknown mixed_precision"),
-        ({"clipnorm": -1.0}, "clipnorm must be positive"),
+        ({"global_clipnorm": -1.0}, "global_clipnorm must be positive"),
+        ({"clipnorm": 1.0}, "clipnorm= is not a tfscale option"),
         ({"epochs": -1}, "epochs must be an integer >= 0"),
     ],
 )
@@ -45,6 +47,62 @@ def test_bad_settings_are_refused(kwargs: dict[str, Any], match: str) -> None:
     strategy = strategy_for(2)
     with pytest.raises(tfscale.TrainingError, match=match):
         tfscale.fit(tiny_model(strategy), *DATA, strategy=strategy, verbose=0, **kwargs)
+
+
+def test_argument_errors_are_value_errors_as_in_keras() -> None:
+    # An `except ValueError` written around model.fit keeps working around tfscale's (#21.6).
+    strategy = strategy_for(2)
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        tfscale.fit(tiny_model(strategy), *DATA, batch_size=0, strategy=strategy, verbose=0)
+    with pytest.raises(ValueError, match="accumulation_steps must be a positive integer"):
+        tfscale.prepare(tiny_model(strategy), strategy, accumulation_steps=0)
+
+
+def test_the_old_clipnorm_is_refused_naming_global_clipnorm_and_kerass_own() -> None:
+    strategy = strategy_for(2)
+    model = tiny_model(strategy)
+    before = model.get_weights()
+    for call in (
+        lambda: tfscale.fit(model, *DATA, clipnorm=1.0, strategy=strategy, verbose=0),
+        lambda: tfscale.prepare(model, strategy, clipnorm=1.0),
+        lambda: Trainer(model, strategy, clipnorm=1.0),
+    ):
+        with pytest.raises(
+            tfscale.TrainingError, match="clipnorm= is not a tfscale option"
+        ) as info:
+            call()
+        message = str(info.value)
+        assert "global_clipnorm=1.0" in message and "keras.optimizers.Adam(clipnorm=1.0)" in message
+    assert prepared(model) is None  # refused before any change
+    assert relative_difference(model.get_weights(), before) == 0.0
+
+
+def test_numpy_integers_are_taken_wherever_model_fit_takes_them() -> None:
+    x, y = DATA
+    integers = {
+        "batch_size": 32, "epochs": 3, "initial_epoch": 1, "steps_per_epoch": 4,
+        "validation_steps": 2, "validation_batch_size": 16, "validation_freq": 2, "verbose": 0,
+        "accumulation_steps": 2, "steps_per_execution": 2, "bucket_bytes": 256,
+    }  # fmt: skip
+    weights, histories = [], []
+    for kind in (int, np.int64):
+        strategy = strategy_for(2)
+        model = tiny_model(strategy, "adam", lr=0.01)
+        history = tfscale.fit(
+            model, x, y, shuffle=False, validation_data=(x[:64], y[:64]), strategy=strategy,
+            **{name: kind(value) for name, value in integers.items()},
+        )  # fmt: skip
+        weights.append(model.get_weights())
+        histories.append(history.history)
+        assert int(model.optimizer.iterations.numpy()) == 2 * 4 // 2
+    assert relative_difference(weights[0], weights[1]) == 0.0
+    assert histories[0] == histories[1]
+    model = tiny_model(strategy_for(2))
+    tfscale.prepare(
+        model, strategy_for(2), accumulation_steps=np.int32(2), global_clipnorm=np.float32(1)
+    )
+    state = prepared(model)
+    assert state is not None and type(state.options.accumulation_steps) is int
 
 
 def test_unreadable_or_endless_data_and_keras_accumulation_are_refused() -> None:

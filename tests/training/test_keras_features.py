@@ -297,11 +297,38 @@ def test_terminate_on_nan_stops_and_returns_the_history_instead_of_raising() -> 
     assert model.stop_training and int(model.optimizer.iterations.numpy()) == 2
     assert np.isnan(history.history["loss"][0])
     assert all(np.isfinite(w).all() for w in model.get_weights())
-    with pytest.raises(tfscale.NonFiniteLossError, match="update 3"):
+    with pytest.raises(tfscale.NonFiniteLossError, match=r"update 3 \(batch 2 of epoch 0\)"):
         tfscale.fit(
             _compiled(_regressor()), x, y, batch_size=16, shuffle=False,
             strategy=strategy_for(2), verbose=0,
         )  # fmt: skip
+
+
+def test_a_prepared_models_fit_stops_at_a_non_finite_update_as_tfscale_fit_does() -> None:
+    # It used to skip the update silently (the optimizer counted it) and end normally (#25.3).
+    x, y = _data()
+    y = y.copy()
+    y[40] = np.nan  # the third batch of 16
+    model = tfscale.prepare(_compiled(_regressor()), strategy_for(2))
+    with pytest.raises(tfscale.NonFiniteLossError, match=r"update 3 \(batch 2 of epoch 0\)"):
+        model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 2
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    # Not left halted: the next fit on clean data trains.
+    model.fit(x[:32], y[:32], batch_size=16, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 4
+
+
+def test_a_prepared_models_fit_with_terminate_on_nan_stops_quietly() -> None:
+    x, y = _data()
+    y = y.copy()
+    y[40] = np.nan
+    model = tfscale.prepare(_compiled(_regressor()), strategy_for(2))
+    history = model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
+                        callbacks=[keras.callbacks.TerminateOnNaN()])  # fmt: skip
+    assert model.stop_training and int(model.optimizer.iterations.numpy()) == 2
+    assert np.isnan(history.history["loss"][0]) and len(history.history["loss"]) == 1
+    assert all(np.isfinite(w).all() for w in model.get_weights())
 
 
 def _mse_plus_log_of_smallest_label(y_true: Any, y_pred: Any) -> Any:
@@ -317,7 +344,7 @@ def test_a_nan_loss_with_a_finite_gradient_is_reported_as_applied() -> None:
     model = _compiled(_regressor(), loss=_mse_plus_log_of_smallest_label)
     with pytest.raises(tfscale.NonFiniteLossError, match="the update was applied") as info:
         tfscale.fit(model, x, y, batch_size=16, shuffle=False, strategy=strategy_for(2), verbose=0)
-    assert "at batch 2 of this epoch, but its gradient was finite" in str(info.value)
+    assert "of epoch 0, but its gradient was finite" in str(info.value)
     assert int(model.optimizer.iterations.numpy()) >= 3
     assert all(np.isfinite(w).all() for w in model.get_weights())
 

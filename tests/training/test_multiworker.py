@@ -117,6 +117,8 @@ def _run_workers(tmp_path: Path, timeout: float = 240.0) -> list[dict[str, objec
     return reports
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_two_workers_equal_mirrored_over_two_cpus(tmp_path: Path) -> None:
     reports = _run_workers(tmp_path)
     weights = [np.load(tmp_path / f"w{i}.npz") for i in range(2)]

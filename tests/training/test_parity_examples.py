@@ -12,7 +12,7 @@ from .helpers import run_workers, strategy_for
 from .parity import KERAS_IO_CASES
 from .parity.registry import Case, param, run_case
 
-pytestmark = pytest.mark.tf
+pytestmark = [pytest.mark.tf, pytest.mark.slow]
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -58,6 +58,8 @@ with open(sys.argv[1] + ".json", "w") as handle:
 """
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_cases_across_two_worker_processes_match_one_device(tmp_path: Path) -> None:
     """8 cases trained by 2 worker processes (MultiWorkerMirroredStrategy, one CPU each),
     each checked against one-device model.fit with the case's own checks."""

@@ -5,6 +5,7 @@ silent no-op, a raw TensorFlow error mid-epoch, or an error after the first epoc
 from __future__ import annotations
 
 import os
+import uuid
 from typing import Any
 
 import numpy as np
@@ -15,10 +16,61 @@ from tfscale.errors import TrainingError, explain
 __all__ = [
     "check_batch_size",
     "check_checkpoint_dir",
+    "check_global_clipnorm",
     "check_inputs",
     "check_pipeline_batches",
     "check_validation",
+    "python_int",
 ]
+
+
+def python_int(value: Any) -> Any:
+    """A NumPy integer as a Python ``int`` (``model.fit`` takes both); any other value as it
+    is, for the checks to judge."""
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
+
+
+def check_global_clipnorm(global_clipnorm: Any, clipnorm: Any = None) -> float | None:
+    """``global_clipnorm`` as a float (None: no clipping); the old name refused.
+
+    tfscale clips the all-reduced gradient by its global norm, which Keras calls
+    ``global_clipnorm``; Keras's ``clipnorm`` clips each variable's gradient on its own. The
+    option was called ``clipnorm``: it is refused rather than given Keras's meaning, which
+    would change what an existing call does without a word.
+
+    Raises:
+        TrainingError: ``clipnorm`` given, or ``global_clipnorm`` not a positive number.
+    """
+    if clipnorm is not None:
+        raise TrainingError(
+            explain(
+                "clipnorm= is not a tfscale option: tfscale clips the all-reduced gradient by "
+                "its global norm, which Keras calls global_clipnorm (Keras's clipnorm clips "
+                "each variable's gradient on its own).",
+                received=f"clipnorm={clipnorm!r}",
+                allowed="global_clipnorm=<float > 0>, or clipnorm on the optimizer",
+                fix=f"global_clipnorm={clipnorm!r} to clip by the global norm, or compile "
+                f"with keras.optimizers.Adam(clipnorm={clipnorm!r}) to clip each variable "
+                "(tfscale applies the optimizer's clipping to the all-reduced gradient)",
+            )
+        )
+    if global_clipnorm is None:
+        return None
+    if (
+        isinstance(global_clipnorm, (bool, np.bool_))
+        or not isinstance(global_clipnorm, (int, float, np.integer, np.floating))
+        or not global_clipnorm > 0
+    ):
+        raise TrainingError(
+            explain(
+                "global_clipnorm must be positive.",
+                received=f"global_clipnorm={global_clipnorm!r}",
+                allowed="a float > 0, or None for no clipping",
+            )
+        )
+    return float(global_clipnorm)
 
 
 def check_batch_size(name: str, value: object) -> None:
@@ -139,37 +191,68 @@ def check_validation(x: Any, validation_data: Any) -> None:
             )
 
 
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else type(error).__name__)[:300]
+
+
 def check_checkpoint_dir(directory: str) -> None:
-    """A folder that is a file, lies under a file, or cannot be written.
+    """Proves ``directory`` can hold checkpoints: creates it (and the folders above it) and
+    a file in it, which is removed again.
+
+    Permission bits do not prove a folder writable (root passes ``os.access`` on ``/proc``,
+    a read-only mount, a full disk); the first save would only fail after the first epoch
+    or ``every_steps`` updates, with TensorFlow's raw ``NotFoundError``. Writing through
+    ``tf.io.gfile`` tries the file system the checkpoint will use (``gs://`` included).
 
     Raises:
-        TrainingError: The folder cannot hold checkpoints.
+        TrainingError: The folder cannot hold checkpoints (it names the folder).
     """
-    path = os.path.abspath(directory)
-    probe = path
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    if os.path.exists(probe) and not os.path.isdir(probe):
+    remote = "://" in directory
+    path = directory if remote else os.path.abspath(directory)
+    if not remote:
+        probe = path
+        while not os.path.exists(probe):
+            parent = os.path.dirname(probe)
+            if parent == probe:
+                break
+            probe = parent
+        if os.path.exists(probe) and not os.path.isdir(probe):
+            raise TrainingError(
+                explain(
+                    f"checkpoint_dir {path} cannot be created: "
+                    + ("it is a file." if probe == path else f"{probe} is a file."),
+                    received=f"checkpoint_dir={directory!r}",
+                    allowed="a folder (created if missing) under existing folders",
+                    fix="choose another folder, e.g. checkpoint_dir='ckpt/'",
+                )
+            )
+        if not os.access(probe, os.W_OK | os.X_OK):
+            raise TrainingError(
+                explain(
+                    f"checkpoint_dir {path} cannot be written: {probe} is not writable by "
+                    "this user.",
+                    received=f"checkpoint_dir={directory!r}",
+                    fix="choose a folder you can write, or fix its permissions",
+                )
+            )
+    created = not tf.io.gfile.exists(path)
+    test_file = f"{path.rstrip('/')}/.tfscale-write-test-{uuid.uuid4().hex}"
+    try:
+        tf.io.gfile.makedirs(path)
+        with tf.io.gfile.GFile(test_file, "w") as handle:
+            handle.write("tfscale checks that checkpoints can be written here\n")
+        tf.io.gfile.remove(test_file)
+    except (OSError, tf.errors.OpError) as error:
         raise TrainingError(
             explain(
-                "checkpoint_dir cannot be created: "
-                + ("it is a file." if probe == path else f"{probe} is a file."),
-                received=f"checkpoint_dir={directory!r}",
-                allowed="a folder (created if missing) under existing folders",
-                fix="choose another folder, e.g. checkpoint_dir='ckpt/'",
+                f"checkpoint_dir {path} cannot be "
+                + ("created." if created and not tf.io.gfile.isdir(path) else "written."),
+                received=f"checkpoint_dir={directory!r}: {_first_line(error)}",
+                allowed="a folder this process can create and write files in",
+                fix="choose a folder on a writable disk, e.g. checkpoint_dir='ckpt/'",
             )
-        )
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise TrainingError(
-            explain(
-                f"checkpoint_dir cannot be written: {probe} is not writable by this user.",
-                received=f"checkpoint_dir={directory!r}",
-                fix="choose a folder you can write, or fix its permissions",
-            )
-        )
+        ) from None
 
 
 def check_pipeline_batches(model: Any, x: Any, batch_size: int | None) -> None:

@@ -303,7 +303,10 @@ def on_reduction(name: str, output: Any, args: Any, kwargs: dict[str, Any]) -> N
         count = None
         if op is not None and op.type == "DivNoNan" and len(op.inputs) == 2:
             count = tf.cast(op.inputs[1], tf.float32)
-        record_reduction(output, Term(Kind.SCALED_MEAN, count, "a Keras Loss object's mean"))
+        # Returned as it came (one replica, or replica_count_scaling_off in this thread):
+        # a plain mean.
+        kind = Kind.MEAN if output is mean else Kind.SCALED_MEAN
+        record_reduction(output, Term(kind, count, "a Keras Loss object's mean"))
     elif name == "scale_regularization_loss":
         record_reduction(output, Term(Kind.GLOBAL, None, "tf.nn.scale_regularization_loss"))
     elif name == "compute_average_loss":

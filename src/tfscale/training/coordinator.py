@@ -10,8 +10,10 @@ asynchronously, each on batches of its own copy of the dataset::
 
 Updates are asynchronous, so the result does not equal a single-device run step for step
 (that is what the synchronous strategies are for); it trains the same model on the same
-data. Options that need a synchronous all-reduce are refused with a TrainingError that
-names them (:func:`unsupported_options`).
+data. Each ``tfscale.fit`` argument is honoured (``HONOURED``) or, set to a value that uses
+it, refused before any work with a TrainingError naming it and its fix
+(:func:`refuse_unsupported`): the options that need a synchronous all-reduce, validation,
+``class_weight``, and any argument ``fit`` gains before this loop learns it.
 """
 
 from __future__ import annotations
@@ -25,33 +27,158 @@ import tensorflow as tf
 
 from tfscale.errors import TrainingError, explain
 
-__all__ = ["fit_with_coordinator", "is_parameter_server", "unsupported_options"]
+__all__ = [
+    "HONOURED",
+    "fit_with_coordinator",
+    "is_parameter_server",
+    "refuse_unsupported",
+    "unsupported_options",
+]
 
-# fit() option -> the value that means "not used". Each of these needs a synchronous step
-# (all-reduced gradients, one loss scale, one global norm) or per-step callbacks on the
-# chief, which the asynchronous coordinator loop does not have.
-_DEFAULTS: Mapping[str, object] = {
-    "accumulation_steps": 1,
-    "steps_per_execution": 1,
-    "mixed_precision": None,
-    "clipnorm": None,
-    "remat": False,
-    "jit_compile": False,
-    "validation_data": None,
-    "sync_batchnorm": False,
-    "bucket_bytes": None,
-    "gradient_compression": None,
+#: The ``tfscale.fit`` arguments this loop acts on. Every other one is refused, before any
+#: work, when set to a value that uses it (``unsupported_options``), so an argument added to
+#: ``tfscale.fit`` is refused here until this loop honours it.
+HONOURED = frozenset(
+    {
+        "model", "x", "y", "sample_weight", "data", "strategy", "batch_size", "epochs",
+        "initial_epoch", "steps_per_epoch", "shuffle", "callbacks", "verbose",
+        "checkpoint_dir",
+    }
+)  # fmt: skip
+
+_SYNCHRONOUS = (
+    "drop it: it needs a synchronous step (all-reduced gradients, one loss scale, one global "
+    "norm), which the asynchronous workers do not take; or train synchronously with "
+    "MultiWorkerMirroredStrategy (tfscale launch -n N without --ps)"
+)
+_VALIDATION = (
+    "drop it: the coordinator loop runs no validation pass; evaluate the trained model "
+    "afterwards, or train with MultiWorkerMirroredStrategy (tfscale launch -n N without "
+    "--ps), where validation works"
+)
+
+# Refused argument -> (the values that leave it unused, how to do without it).
+_REFUSED: Mapping[str, tuple[tuple[object, ...], str]] = {
+    "validation_split": ((0, 0.0), _VALIDATION),
+    "validation_data": ((None,), _VALIDATION),
+    "validation_steps": ((None,), _VALIDATION),
+    "validation_batch_size": ((None,), _VALIDATION),
+    "validation_freq": ((1,), _VALIDATION),
+    "class_weight": (
+        (None,),
+        "weight each example instead: sample_weight=np.array([class_weight[int(c)] for c in y])",
+    ),
+    "accumulation_steps": ((1,), _SYNCHRONOUS),
+    "steps_per_execution": ((None, 1), _SYNCHRONOUS),
+    "mixed_precision": ((None,), _SYNCHRONOUS),
+    "global_clipnorm": (
+        (None,),
+        _SYNCHRONOUS + "; to clip each worker's gradient, give the optimizer Keras's own "
+        "global_clipnorm (keras.optimizers.SGD(0.01, global_clipnorm=1.0))",
+    ),
+    "remat": ((False,), _SYNCHRONOUS),
+    "jit_compile": ((None, False), _SYNCHRONOUS),
+    "sync_batchnorm": ((False,), _SYNCHRONOUS),
+    "bucket_bytes": ((None,), _SYNCHRONOUS),
+    "gradient_compression": ((None,), _SYNCHRONOUS),
+    "clipnorm": ((None,), "drop it (see tfscale.fit's global_clipnorm)"),
 }
+_NOT_YET = (
+    "drop it: the coordinator loop (tfscale/training/coordinator.py) does not pass it on; "
+    "or train with MultiWorkerMirroredStrategy (tfscale launch -n N without --ps)"
+)
+
+
+def _unused(value: object, values: Sequence[object]) -> bool:
+    # Identity first: arrays and datasets do not compare with ==; numbers compare by value.
+    return any(value is v or (_scalar(value) and _scalar(v) and value == v) for v in values)
+
+
+def _scalar(value: object) -> bool:
+    return isinstance(value, (bool, int, float, np.generic))
+
+
+def _limits(arguments: Mapping[str, object]) -> dict[str, str]:
+    """Honoured arguments given a value this loop cannot honour, with the fix."""
+    limits = {}
+    if arguments.get("shuffle") == "batch":
+        limits["shuffle"] = "pass shuffle=True (each worker shuffles its copy of the arrays)"
+    if getattr(arguments.get("checkpoint_dir"), "every_steps", None) is not None:
+        limits["checkpoint_dir"] = (
+            "the coordinator loop saves at epoch ends only: pass the folder as a string, or "
+            "CheckpointConfig(folder, every_steps=None)"
+        )
+    if arguments.get("sample_weight") is not None and arguments.get("y") is None:
+        limits["sample_weight"] = (
+            "with a dataset, put the weights in it: batches of (x, y, sample_weight)"
+        )
+    return limits
+
+
+def unsupported_options(
+    options: Mapping[str, object], defaults: Mapping[str, object] | None = None
+) -> list[str]:
+    """The names of ``fit`` arguments set to values this loop cannot honour.
+
+    Args:
+        options: ``tfscale.fit``'s arguments by name (some or all).
+        defaults: ``tfscale.fit``'s defaults, which say "unused" for an argument this
+            module does not know yet (None otherwise).
+    """
+    limits = _limits(options)
+    refused = []
+    for name, value in options.items():
+        if name in HONOURED:
+            if name in limits:
+                refused.append(name)
+            continue
+        unused, _ = _REFUSED.get(name, ((None if defaults is None else defaults.get(name),), ""))
+        if not _unused(value, unused):
+            refused.append(name)
+    return refused
+
+
+def refuse_unsupported(
+    options: Mapping[str, object], defaults: Mapping[str, object] | None = None
+) -> None:
+    """Raises, before any work, for every argument :func:`unsupported_options` names.
+
+    Raises:
+        TrainingError: Naming each such argument with its fix.
+    """
+    refused = unsupported_options(options, defaults)
+    if not refused:
+        return
+    limits = _limits(options)
+    fixes = "".join(
+        f"\n    {name}: {limits.get(name) or _REFUSED.get(name, ((), _NOT_YET))[1]}"
+        for name in refused
+    )
+    raise TrainingError(
+        explain(
+            "tfscale.fit under ParameterServerStrategy trains asynchronously and does not "
+            f"support: {', '.join(refused)}.",
+            received=", ".join(f"{name}={_short(options[name])}" for name in refused),
+            allowed=", ".join(sorted(HONOURED)) + " (x: arrays, a tf.data.Dataset or a "
+            "dataset_fn; checkpoints at epoch ends)",
+            fix="for each argument:" + fixes,
+        )
+    )
+
+
+def _short(value: object) -> str:
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return f"<{type(value).__name__} of shape {tuple(shape)}>"
+    if isinstance(value, (tuple, list)) and any(hasattr(v, "shape") for v in value):
+        return f"<{type(value).__name__} of {len(value)} arrays>"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def is_parameter_server(strategy: Any) -> bool:
     """True for ``tf.distribute.ParameterServerStrategy`` (and its experimental alias)."""
     return any(c.__name__.startswith("ParameterServerStrategy") for c in type(strategy).__mro__)
-
-
-def unsupported_options(options: Mapping[str, object]) -> list[str]:
-    """The names of ``fit`` options set away from their default that this loop cannot honour."""
-    return [name for name, default in _DEFAULTS.items() if options.get(name, default) != default]
 
 
 def fit_with_coordinator(
@@ -65,6 +192,9 @@ def fit_with_coordinator(
     callbacks: Sequence[Any] | None = None,
     checkpoint_dir: str | None = None,
     verbose: int | str = "auto",
+    initial_epoch: int = 0,
+    shuffle: bool | str = True,
+    max_to_keep: int = 2,
     **options: object,
 ) -> keras.callbacks.History:
     """Trains a compiled model through a ClusterCoordinator (see the module docstring).
@@ -81,7 +211,11 @@ def fit_with_coordinator(
         callbacks: Keras callbacks; they see epoch begin and end (steps run asynchronously).
         checkpoint_dir: Folder to save to after each epoch and to resume from.
         verbose: 0 silent, otherwise one line per epoch.
-        **options: Other ``tfscale.fit`` options; any set away from its default raises.
+        initial_epoch: The epoch to start at (a restored checkpoint's, if later).
+        shuffle: False reads the arrays in order; True shuffles each worker's copy.
+        max_to_keep: Checkpoints kept in ``checkpoint_dir``.
+        **options: Other ``tfscale.fit`` arguments; any set to a value this loop cannot
+            honour raises (:func:`unsupported_options`).
 
     Returns:
         The History; ``history["loss"]`` is each epoch's mean step loss.
@@ -90,21 +224,11 @@ def fit_with_coordinator(
         TrainingError: An option this loop does not support, a model that is not compiled
             or has several outputs, or data it cannot read.
     """
-    refused = unsupported_options(options)
-    if refused:
-        raise TrainingError(
-            explain(
-                "tfscale.fit under ParameterServerStrategy trains asynchronously and does not "
-                f"support: {', '.join(refused)}.",
-                received={name: options[name] for name in refused},
-                allowed="epochs, batch_size, steps_per_epoch, callbacks, checkpoint_dir, "
-                "verbose, with (x, y) arrays, a tf.data.Dataset or a dataset_fn",
-                fix="drop those options, or train synchronously with MultiWorkerMirroredStrategy "
-                "(tfscale launch -n N without --ps).",
-            )
-        )
+    refuse_unsupported(
+        {"shuffle": shuffle, "y": data[1] if isinstance(data, (tuple, list)) else None, **options}
+    )
     loss_fn = _loss_of(model)
-    make_dataset, steps = _input(data, batch_size, steps_per_epoch, strategy)
+    make_dataset, steps = _input(data, batch_size, steps_per_epoch, strategy, shuffle)
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     optimizer = model.optimizer
     with strategy.scope():
@@ -114,7 +238,7 @@ def fit_with_coordinator(
     manager = None
     if checkpoint_dir:
         checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, epoch=epoch_var)
-        manager = tf.train.CheckpointManager(checkpoint, checkpoint_dir, max_to_keep=2)
+        manager = tf.train.CheckpointManager(checkpoint, checkpoint_dir, max_to_keep=max_to_keep)
         if manager.latest_checkpoint:
             checkpoint.restore(manager.latest_checkpoint)
     iterator = iter(coordinator.create_per_worker_dataset(make_dataset))
@@ -124,7 +248,7 @@ def fit_with_coordinator(
         [*list(callbacks or []), history], model=model, epochs=epochs, steps=steps, verbose=0
     )
     callback_list.on_train_begin()
-    for epoch in range(int(epoch_var.numpy()), epochs):
+    for epoch in range(max(initial_epoch, int(epoch_var.numpy())), epochs):
         callback_list.on_epoch_begin(epoch)
         results = [coordinator.schedule(step, args=(iterator,)) for _ in range(steps)]
         coordinator.join()
@@ -184,7 +308,11 @@ def _loss_of(model: Any) -> Callable[..., Any]:
 
 
 def _input(
-    data: Any, batch_size: int | None, steps_per_epoch: int | None, strategy: Any
+    data: Any,
+    batch_size: int | None,
+    steps_per_epoch: int | None,
+    strategy: Any,
+    shuffle: bool | str = True,
 ) -> tuple[Callable[[], Any], int]:
     """A per-worker dataset function and the number of steps in an epoch."""
     if isinstance(data, (tuple, list)) and len(data) in (2, 3):
@@ -205,7 +333,8 @@ def _input(
             dataset = tf.data.Dataset.from_tensor_slices(arrays)
             # Unseeded: every worker shuffles its copy differently. Repeated forever: the
             # coordinator decides how many batches make an epoch (TF's PS guide).
-            dataset = dataset.shuffle(count, seed=None, reshuffle_each_iteration=True)
+            if shuffle:
+                dataset = dataset.shuffle(count, seed=None, reshuffle_each_iteration=True)
             return dataset.repeat().batch(batch, drop_remainder=True).prefetch(2)
 
         return from_arrays, steps_per_epoch or count // batch

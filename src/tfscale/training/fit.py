@@ -10,6 +10,8 @@ progress bar on the chief worker only, ``dataset_fn`` inputs, and ParameterServe
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import os
 import warnings
 from collections.abc import Iterator, Sequence
@@ -20,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfscale.errors import TrainingError, explain
-from tfscale.training.callbacks import ExactSteps, NonFiniteGuard, is_chief
+from tfscale.training.callbacks import ExactSteps, is_chief
 from tfscale.training.checkpoint import (
     CheckpointCallback,
     CheckpointConfig,
@@ -30,15 +32,27 @@ from tfscale.training.checkpoint import (
 from tfscale.training.checks import (
     check_batch_size,
     check_checkpoint_dir,
+    check_global_clipnorm,
     check_inputs,
     check_pipeline_batches,
     check_validation,
+    python_int,
 )
-from tfscale.training.coordinator import fit_with_coordinator, is_parameter_server
+from tfscale.training.coordinator import (
+    fit_with_coordinator,
+    is_parameter_server,
+    refuse_unsupported,
+)
 from tfscale.training.data import agreed_seed, plan_inputs
 from tfscale.training.prepare import check_model, prepare, prepared, resolve_strategy
 
 __all__ = ["fit"]
+
+
+@functools.cache
+def _defaults() -> dict[str, Any]:
+    """``fit``'s default of each argument."""
+    return {name: p.default for name, p in inspect.signature(fit).parameters.items()}
 
 
 def _checkpoint_config(checkpoint_dir: Any) -> CheckpointConfig | None:
@@ -127,17 +141,6 @@ def _expected_end_of_data(config: CheckpointConfig | None, unknown_length: bool)
 
 
 @contextlib.contextmanager
-def _halt_released(update: Any) -> Iterator[None]:
-    """Keras skips on_train_end when fit raises: a later model.fit must not stay halted
-    (``NonFiniteGuard``)."""
-    try:
-        yield
-    finally:
-        update.halt_on_nonfinite.assign(0)
-        update.halted.assign(0)
-
-
-@contextlib.contextmanager
 def _steps_per_execution(model: Any, value: int | None) -> Iterator[None]:
     """Runs ``value`` steps per call of the train function for this call only."""
     if value is None:
@@ -183,13 +186,14 @@ def fit(
     accumulation_steps: int = 1,
     steps_per_execution: int | None = None,
     mixed_precision: str | None = None,
-    clipnorm: float | None = None,
+    global_clipnorm: float | None = None,
     remat: bool = False,
     jit_compile: bool | None = None,
     sync_batchnorm: bool = False,
     bucket_bytes: int | None = None,
     gradient_compression: str | None = None,
     checkpoint_dir: str | CheckpointConfig | None = None,
+    clipnorm: None = None,
 ) -> keras.callbacks.History:
     """Trains a compiled Keras model over every replica of a strategy, as ``model.fit`` would
     on one device.
@@ -227,7 +231,8 @@ def fit(
         accumulation_steps: Batches per optimizer update (see :func:`tfscale.prepare`).
         steps_per_execution: Steps per compiled call for this fit; None keeps compile()'s.
         mixed_precision: None, ``"bf16"`` or ``"fp16"``.
-        clipnorm: Clip the all-reduced gradient to this global norm.
+        global_clipnorm: Clip the all-reduced gradient to this global norm (Keras's
+            ``global_clipnorm``, applied after the all-reduce).
         remat: Recompute activations in the backward pass to save memory.
         jit_compile: XLA for each replica's forward and backward pass; None keeps
             compile()'s choice.
@@ -238,17 +243,34 @@ def fit(
         gradient_compression: ``"bf16"`` / ``"fp16"``: all-reduce dense gradients in it.
         checkpoint_dir: Folder (or :class:`CheckpointConfig`) to save to every epoch and
             every N steps, and to resume from, mid-epoch included.
+        clipnorm: Refused with a ``TrainingError``: the global-norm clip is
+            ``global_clipnorm``, as in Keras, where ``clipnorm`` clips each variable (set
+            that on the optimizer: ``keras.optimizers.Adam(clipnorm=1.0)``).
 
     Returns:
         The ``keras.callbacks.History`` of the run.
 
     Raises:
         TrainingError: The model is not compiled, or an argument is invalid (the message
-            says which and how to fix it).
+            says which and how to fix it); also a ``ValueError``, as Keras's.
         NonFiniteLossError: The loss became NaN or infinite (the update number is given);
             with a ``keras.callbacks.TerminateOnNaN`` among the callbacks, training stops
             instead and the History is returned.
     """
+    arguments = dict(locals())  # every argument by name, for ParameterServerStrategy's check
+    # NumPy integers are taken wherever model.fit takes them.
+    (
+        batch_size, epochs, initial_epoch, steps_per_epoch, validation_steps,
+        validation_batch_size, validation_freq, verbose, accumulation_steps,
+        steps_per_execution, bucket_bytes,
+    ) = (
+        python_int(value) for value in (
+            batch_size, epochs, initial_epoch, steps_per_epoch, validation_steps,
+            validation_batch_size, validation_freq, verbose, accumulation_steps,
+            steps_per_execution, bucket_bytes,
+        )
+    )  # fmt: skip
+    global_clipnorm = check_global_clipnorm(global_clipnorm, clipnorm)
     _check_epochs(epochs, initial_epoch)
     x, y, sample_weight = _from_data(data, x, y, sample_weight)
     check_model(model)
@@ -263,10 +285,16 @@ def fit(
     elif validation_data is not None:
         check_pipeline_batches(model, validation_data, None)
     strategy = resolve_strategy(model, strategy)
+    parameter_server = is_parameter_server(strategy)
+    if parameter_server:
+        # Every argument the coordinator loop does not honour is refused here, by name,
+        # before any work (the checkpoint folder is not even created).
+        arguments.update(x=x, y=y, sample_weight=sample_weight)
+        refuse_unsupported(arguments, _defaults())
     config = _checkpoint_config(checkpoint_dir)
     if config is not None:
         check_checkpoint_dir(config.directory)
-    if is_parameter_server(strategy):
+    if parameter_server:
         return fit_with_coordinator(
             model,
             x if y is None else (x, y) if sample_weight is None else (x, y, sample_weight),
@@ -277,22 +305,15 @@ def fit(
             callbacks=callbacks,
             checkpoint_dir=None if config is None else config.directory,
             verbose=verbose,
-            accumulation_steps=accumulation_steps,
-            steps_per_execution=steps_per_execution or 1,
-            mixed_precision=mixed_precision,
-            clipnorm=clipnorm,
-            remat=remat,
-            jit_compile=bool(jit_compile),
-            validation_data=validation_data,
-            sync_batchnorm=sync_batchnorm,
-            bucket_bytes=bucket_bytes,
-            gradient_compression=gradient_compression,
+            initial_epoch=initial_epoch,
+            shuffle=shuffle,
+            max_to_keep=2 if config is None else config.max_to_keep,
         )
     prepare(
         model,
         strategy,
         accumulation_steps=accumulation_steps,
-        clipnorm=clipnorm,
+        global_clipnorm=global_clipnorm,
         mixed_precision=mixed_precision,
         remat=remat,
         jit_compile=jit_compile,
@@ -325,10 +346,7 @@ def fit(
     # A callback that asks for them (tfscale.ProfileCallback) reads the train function's
     # per-call fetch and step seconds.
     state.time_steps(any(getattr(c, "tfscale_wants_timings", False) for c in callback_list))
-    if not any(isinstance(c, keras.callbacks.TerminateOnNaN) for c in callback_list):
-        loss_scaled = isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
-        # Under loss scaling skipping an overflow is the normal course (the scale adapts).
-        callback_list.append(NonFiniteGuard(None if loss_scaled else state.update))
+    # The prepared model's fit adds the non-finite guard (callbacks.guarded).
     callback_list.append(ExactSteps())
     if config is not None:
         callback_list.insert(0, CheckpointCallback(config, strategy, data_seed=seed))
@@ -337,7 +355,6 @@ def fit(
     with (
         _steps_per_execution(model, steps_per_execution),
         _expected_end_of_data(config, inputs.unknown_length),
-        _halt_released(state.update),
     ):
         history: keras.callbacks.History = model.fit(
             epochs=epochs,

@@ -147,13 +147,20 @@ class StepFunction:
 
     # -- per replica ---------------------------------------------------------------------
     def _replica_step(self, data: Any) -> Any:
+        # Entered here, in the replica's own thread (MirroredStrategy traces each replica in
+        # one): these switches are per thread, so a fit tracing in another thread at the
+        # same time (a TaskPool's) keeps its own (#21.4).
         model = self.model
-        if self.kind == "test":
-            return model.test_step(data)
-        with step_context(
-            example_count(data), all_reduce=self.all_reduce, options=self.options
-        ) as context:
-            outputs = model.train_step(data)
+        with internals.replica_count_scaling_off():
+            if self.kind == "test":
+                return model.test_step(data)
+            with (
+                _unprepared_optimizers_refused(),
+                step_context(
+                    example_count(data), all_reduce=self.all_reduce, options=self.options
+                ) as context,
+            ):
+                outputs = model.train_step(data)
         if context.applied == 0 and self.options.accumulation_steps > 1:
             raise TrainingError(
                 explain(
@@ -173,11 +180,7 @@ class StepFunction:
         options = self.options
         jit = bool(options.jit_compile)
         remat = bool(options.remat) and self.kind == "train"
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(internals.replica_count_scaling_off())
-            stack.enter_context(layer_calls(self.model, remat=remat, jit_compile=jit))
-            if self.kind == "train":
-                stack.enter_context(_unprepared_optimizers_refused())
+        with layer_calls(self.model, remat=remat, jit_compile=jit):
             outputs = self.strategy.run(self._replica_step, args=(data,))
         if self._returns_metrics(outputs):
             return {}  # the logs are the metrics, read once at the end of the call

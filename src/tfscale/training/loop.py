@@ -41,6 +41,7 @@ from tfscale.errors import TrainingError, explain
 from tfscale.training import conventions
 from tfscale.training.adopt import adopt
 from tfscale.training.allreduce import check_compression
+from tfscale.training.checks import check_global_clipnorm, python_int
 from tfscale.training.conventions import DECLARED, Declared, Weighting
 from tfscale.training.optimizer import (
     DistributedUpdate,
@@ -130,6 +131,7 @@ class LoopState:
                         'state the loss: tfscale.prepare_loop(model, optimizer, loss="mean")',
                     )
                 )
+        assert isinstance(weighting, Weighting)
         return StepContext(weighting.count, weight=weighting.weight)
 
 
@@ -258,9 +260,10 @@ def prepare_loop(
     *,
     loss: Declared = "auto",
     accumulation_steps: int = 1,
-    clipnorm: float | None = None,
+    global_clipnorm: float | None = None,
     bucket_bytes: int | None = None,
     gradient_compression: str | None = None,
+    clipnorm: None = None,
 ) -> Any:
     """Makes a custom training loop's ``optimizer.apply_gradients`` one device's update.
 
@@ -284,9 +287,12 @@ def prepare_loop(
             already divided by the global batch; ``"sum"``: a sum over the replica's examples.
         accumulation_steps: Batches per update: every k-th ``apply`` updates with the mean
             over all k batches' examples (one all-reduce); the others only accumulate.
-        clipnorm: Clip the all-reduced gradient to this global norm.
+        global_clipnorm: Clip the all-reduced gradient to this global norm (Keras's
+            ``global_clipnorm``, applied after the all-reduce).
         bucket_bytes: All-reduce buckets of this many bytes (see :func:`tfscale.prepare`).
         gradient_compression: ``"bf16"`` / ``"fp16"``: all-reduce dense gradients in it.
+        clipnorm: Refused, as by :func:`tfscale.prepare`: the global-norm clip is
+            ``global_clipnorm``; Keras's ``clipnorm`` (per variable) is set on the optimizer.
 
     Returns:
         The optimizer (the same object, prepared in place).
@@ -296,6 +302,8 @@ def prepare_loop(
     """
     from tfscale.training.prepare import Options, resolve_strategy
 
+    global_clipnorm = check_global_clipnorm(global_clipnorm, clipnorm)
+    accumulation_steps = python_int(accumulation_steps)  # NumPy integers, as model.fit
     optimizer = getattr(model, "optimizer", None) if optimizer is None else optimizer
     _check(model, optimizer, loss, accumulation_steps)
     compression = check_compression(gradient_compression)
@@ -310,7 +318,7 @@ def prepare_loop(
     update.accumulation_steps = accumulation_steps
     update.options = Options(
         accumulation_steps=accumulation_steps,
-        clipnorm=None if clipnorm is None else float(clipnorm),
+        clipnorm=global_clipnorm,
         bucket_bytes=bucket_bytes,
         gradient_compression=compression,
     )

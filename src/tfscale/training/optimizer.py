@@ -9,7 +9,7 @@ custom loop under ``strategy.run``)::
     replica r, micro-batch i      w = c_r,i * g_r,i  (c: its examples)   -> += accumulators
     every k-th micro-batch        [w..., c] -- ONE all-reduce(SUM): dense packed, sparse gathered
                                   g = sum(w) / sum(c)   (the mean over every example)
-                                  clip by the global norm (tfscale.fit(clipnorm=...))
+                                  clip by the global norm (tfscale.fit(global_clipnorm=...))
                                   all finite? -> the user's optimizer.apply(g)   (its own
                                                  all-reduce switched off: already reduced)
                                   else        -> skipped on every replica, counted (and,

@@ -14,7 +14,9 @@ intercepts where Keras is wrong under a strategy, on this model instance only:
   (``function.py``), and the model's symbolic build takes one replica's batch, which is what
   breaks ``model.fit`` under MultiWorkerMirroredStrategy (keras-team/keras#20585);
 - ``fit`` copies the batches of Python generators and ``keras.utils.PyDataset``s under
-  several replicas, which TensorFlow otherwise writes into (``data.copied_batches``).
+  several replicas, which TensorFlow otherwise writes into (``data.copied_batches``), and
+  stops with ``NonFiniteLossError`` at an update it skipped as not finite, as
+  ``tfscale.fit`` does (``callbacks.guarded``; ``TerminateOnNaN`` stops quietly).
 
 ``prepare`` is idempotent: a second call updates the options and keeps compiled functions
 when they do not change.
@@ -33,6 +35,8 @@ from tfscale.errors import TrainingError, explain
 from tfscale.strategy_hooks import call_by_name
 from tfscale.training.adopt import adopt, model_optimizers
 from tfscale.training.allreduce import Compression, check_compression
+from tfscale.training.callbacks import guarded, halt_released
+from tfscale.training.checks import check_global_clipnorm, python_int
 from tfscale.training.data import COPIED_FIT_ARGUMENTS, copied_batches
 from tfscale.training.function import StepFunction, example_count
 from tfscale.training.loop import register_loop
@@ -48,7 +52,8 @@ class Options:
 
     Attributes:
         accumulation_steps: Micro-batches (steps) per optimizer update.
-        clipnorm: Clip the all-reduced gradient to this global norm, or None.
+        clipnorm: Clip the all-reduced gradient to this global norm, or None (the
+            ``global_clipnorm`` of ``prepare`` and ``fit``).
         remat: Recompute activations in the backward pass.
         jit_compile: Compile the model's forward and backward pass with XLA.
         sync_batchnorm: BatchNormalization statistics over all replicas' examples.
@@ -188,14 +193,20 @@ class Prepared:
     def fit(self, *args: Any, **kwargs: Any) -> Any:
         """Keras's ``fit`` of the model (its class's, whatever patches it), with the
         training and validation batches of generators and PyDatasets copied (see
-        :func:`tfscale.training.data.copied_batches`)."""
+        :func:`tfscale.training.data.copied_batches`), and a non-finite update stopping it
+        with ``NonFiniteLossError`` as under ``tfscale.fit`` (``callbacks.guarded``; Keras's
+        ``TerminateOnNaN`` among the callbacks stops quietly instead)."""
 
         def copy(arguments: dict[str, Any]) -> None:
             for name in COPIED_FIT_ARGUMENTS:
                 if name in arguments:
                     arguments[name] = copied_batches(arguments[name], self.strategy)
+            if arguments:
+                arguments["callbacks"] = guarded(arguments.get("callbacks"), self.model, update)
 
-        return call_by_name(type(self.model).fit, self.model, args, kwargs, copy)
+        update = self.update
+        with halt_released(update):
+            return call_by_name(type(self.model).fit, self.model, args, kwargs, copy)
 
     def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
         """Keras's ``compute_loss`` of the model (its class's), 0 on a replica with no examples.
@@ -274,13 +285,14 @@ def prepare(
     strategy: tf.distribute.Strategy | None = None,
     *,
     accumulation_steps: int = 1,
-    clipnorm: float | None = None,
+    global_clipnorm: float | None = None,
     mixed_precision: str | None = None,
     remat: bool = False,
     jit_compile: bool | None = None,
     sync_batchnorm: bool = False,
     bucket_bytes: int | None = None,
     gradient_compression: str | None = None,
+    clipnorm: None = None,
 ) -> Any:
     """Makes a compiled model's ``fit`` / ``evaluate`` correct and complete on every replica.
 
@@ -290,7 +302,8 @@ def prepare(
             ``tfscale.choose_strategy()``.
         accumulation_steps: Batches (steps) accumulated per optimizer update; an update is
             the mean over all their examples. ``optimizer.iterations`` counts updates.
-        clipnorm: Clip the all-reduced gradient to this global norm.
+        global_clipnorm: Clip the all-reduced gradient to this global norm (Keras's
+            ``global_clipnorm``, applied after the all-reduce).
         mixed_precision: None, ``"bf16"`` or ``"fp16"`` (wraps the optimizer in Keras's
             ``LossScaleOptimizer``, whose finiteness test then sees the reduced gradient).
         remat: Recompute activations in the backward pass to save memory.
@@ -306,22 +319,23 @@ def prepare(
         gradient_compression: ``"bf16"`` or ``"fp16"``: all-reduce dense gradients in that
             type (half the bytes; the sum is rounded to it). ``"fp16"`` overflows past
             65504: use it with loss scaling, which backs off on overflow.
+        clipnorm: Refused: the global-norm clip is ``global_clipnorm``, as in Keras, where
+            ``clipnorm`` clips each variable (set that on the optimizer).
 
     Returns:
         The same model object.
 
     Raises:
-        TrainingError: The model cannot be trained this way (the message says why and how).
+        TrainingError: The model cannot be trained this way (the message says why and how);
+            also a ``ValueError``, as Keras's argument errors.
     """
+    accumulation_steps, bucket_bytes = python_int(accumulation_steps), python_int(bucket_bytes)
+    global_clipnorm = check_global_clipnorm(global_clipnorm, clipnorm)
     check_model(model)
     _positive_int("accumulation_steps", accumulation_steps)
     if bucket_bytes is not None:
         _positive_int("bucket_bytes", bucket_bytes)
     compression = check_compression(gradient_compression)
-    if clipnorm is not None and (isinstance(clipnorm, bool) or not clipnorm > 0):
-        raise TrainingError(
-            explain("clipnorm must be positive.", received=clipnorm, allowed="a float > 0")
-        )
     precision = resolve_precision(mixed_precision)
     strategy = resolve_strategy(model, strategy)
     own_check = getattr(model, "check_strategy", None)  # a model placed over devices by hand
@@ -330,7 +344,7 @@ def prepare(
     jit = bool(model.jit_compile) if jit_compile is None else bool(jit_compile)
     options = Options(
         accumulation_steps=accumulation_steps,
-        clipnorm=None if clipnorm is None else float(clipnorm),
+        clipnorm=global_clipnorm,
         remat=bool(remat),
         jit_compile=jit,
         sync_batchnorm=bool(sync_batchnorm),

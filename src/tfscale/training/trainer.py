@@ -26,7 +26,7 @@ class Trainer:
         model: A compiled Keras model (prepared here, in place).
         strategy: The strategy; None as in :func:`tfscale.prepare`.
         accumulation_steps: Micro-batches per update.
-        clipnorm: Clip the all-reduced gradient to this global norm.
+        global_clipnorm: Clip the all-reduced gradient to this global norm.
         mixed_precision: None, ``"bf16"`` or ``"fp16"``.
         remat: Recompute activations in the backward pass.
         jit_compile: XLA for each replica's forward and backward pass.
@@ -34,6 +34,7 @@ class Trainer:
         sample_batch: One batch of one replica; builds the model, its metrics and optimizer.
         bucket_bytes: All-reduce buckets of this many bytes (None: one packed all-reduce).
         gradient_compression: ``"bf16"`` / ``"fp16"``: all-reduce dense gradients in it.
+        clipnorm: Refused, as by :func:`tfscale.prepare`: use ``global_clipnorm``.
 
     Attributes:
         timings: :class:`StepTiming` of each update while ``record_timings`` is True.
@@ -46,7 +47,7 @@ class Trainer:
         strategy: tf.distribute.Strategy | None = None,
         *,
         accumulation_steps: int = 1,
-        clipnorm: float | None = None,
+        global_clipnorm: float | None = None,
         mixed_precision: str | None = None,
         remat: bool = False,
         jit_compile: bool = False,
@@ -54,13 +55,15 @@ class Trainer:
         sample_batch: Any = None,
         bucket_bytes: int | None = None,
         gradient_compression: str | None = None,
+        clipnorm: None = None,
     ) -> None:
         prepare(
             model,
             strategy,
             accumulation_steps=accumulation_steps,
-            clipnorm=clipnorm,
+            global_clipnorm=global_clipnorm,
             mixed_precision=mixed_precision,
+            clipnorm=clipnorm,
             remat=remat,
             jit_compile=jit_compile,
             bucket_bytes=bucket_bytes,
@@ -72,7 +75,7 @@ class Trainer:
             state.symbolic_build(data_batch=sample_batch)
         self.model = model
         self.strategy = state.strategy
-        self.accumulation_steps = accumulation_steps
+        self.accumulation_steps = state.options.accumulation_steps
         self._state = state
         self._all_reduce = all_reduce
         self._function = self._build()

@@ -30,7 +30,7 @@ def full_loss() -> float:
 
 before = full_loss()
 try:  # an option that needs synchronous training is refused, and named
-    tfscale.fit(model, x, y, epochs=1, clipnorm=1.0, accumulation_steps=2)
+    tfscale.fit(model, x, y, epochs=1, global_clipnorm=1.0, accumulation_steps=2)
     refused = ""
 except tfscale.TrainingError as error:
     refused = str(error)

@@ -1,0 +1,64 @@
+"""``import tfscale`` and then any first public call, with ``TFSCALE_VIRTUAL_DEVICES`` set.
+
+The import hook applies the variable the moment TensorFlow has finished importing, which may
+be while the tfscale module of that first call is itself importing TensorFlow. It used to
+import ``tfscale.devices`` there, and a first call to ``discover_devices`` or
+``use_virtual_devices`` (whose module was half imported) failed with "cannot import name
+'apply_env_virtual_devices' from partially initialized module 'tfscale.devices'" (#21.4).
+Each first call runs in a fresh process: only the first import of TensorFlow shows it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import tfscale
+from tfscale.testing import run_python
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+_MODEL = """
+import keras, numpy as np
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+model.compile("sgd", "mse")
+x, y = np.ones((8, 3), "float32"), np.ones((8, 1), "float32")
+"""
+
+# Public name -> the first call made with it (after `entry = tfscale.<name>`, which imports
+# its module). Names not listed are only looked up, which is what imports TensorFlow.
+_CALLS = {
+    "discover_devices": "assert entry()",
+    "use_virtual_devices": "assert entry(2) == ['/device:CPU:0', '/device:CPU:1']",
+    "choose_strategy": "assert entry().num_replicas == 2",
+    "fit": _MODEL + "entry(model, x, y, epochs=1, verbose=0)",
+    "prepare": _MODEL + "entry(model).fit(x, y, epochs=1, verbose=0)",
+    "check_scope": _MODEL + "entry(model)",
+    "TaskPool": "with entry() as pool:\n    assert pool.submit(lambda: 1).result(60) == 1",
+    "pipeline": _MODEL + "entry(model, ['/device:CPU:0', '/device:CPU:1'], microbatches=2)",
+}
+
+
+def _first_calls() -> list[str]:
+    """Every name of `_CALLS`, and one name for each other module of tfscale's public API."""
+    names = dict.fromkeys(_CALLS)
+    covered = {tfscale._LAZY[name] for name in _CALLS}
+    for name, module in sorted(tfscale._LAZY.items()):
+        if module not in covered:
+            names[name] = None
+            covered.add(module)
+    return list(names)
+
+
+@pytest.mark.parametrize("name", _first_calls())
+def test_first_public_call_with_virtual_devices_in_the_environment(name: str) -> None:
+    call = _CALLS.get(name, "")
+    code = (
+        f"import sys, tfscale\nentry = tfscale.{name}\n{call}\n"
+        "if 'tensorflow' in sys.modules:\n"
+        "    import tensorflow as tf\n"
+        "    print('logical CPUs:', len(tf.config.list_logical_devices('CPU')))\n"
+    )
+    result = run_python(code, virtual_devices=2, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    if "logical CPUs:" in result.stdout:
+        assert result.stdout.strip().splitlines()[-1] == "logical CPUs: 2", result.stdout
