@@ -18,9 +18,11 @@ custom loop under ``strategy.run``)::
 
 The example count ``c`` comes from the step tfscale traced (``step_context``), where losses
 are plain per-replica means (``internals.replica_count_scaling_off``); in a custom loop
-without that context each replica counts ``1 / N``, so the sum is Keras's usual mean of
-replica gradients. Because the finiteness test runs on the reduced gradients, an overflow on
-one replica makes every replica skip the same update, and ``LossScaleOptimizer`` (which reads
+(``tfscale.prepare_loop``, or a model prepared by ``tfscale.prepare``) the weight and the
+count come from the loss the replica differentiated (``loop.py``, ``conventions.py``), so
+the update is still one device's however the loss was written (a loss tfscale cannot tell
+is refused there). Because the finiteness test runs on the reduced gradients, an overflow
+on one replica makes every replica skip the same update, and ``LossScaleOptimizer`` (which reads
 one replica's flag, keras/src/optimizers/loss_scale_optimizer.py ``_tf_apply``) now judges
 the sum. Under a ``LossScaleOptimizer`` each replica's scaled loss is also divided by N
 (``DistributedUpdate.scale_loss``, weighed back in float32 with the example count), so the
