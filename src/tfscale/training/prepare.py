@@ -39,6 +39,7 @@ from tfscale.training.callbacks import guarded, halt_released
 from tfscale.training.checks import check_global_clipnorm, python_int
 from tfscale.training.data import COPIED_FIT_ARGUMENTS, copied_batches
 from tfscale.training.function import StepFunction, example_count
+from tfscale.training.loop import register_loop
 from tfscale.training.optimizer import DistributedUpdate, distributed_update
 from tfscale.training.precision import Precision, apply_policy, resolve_precision
 
@@ -365,6 +366,8 @@ def prepare(
             if isinstance(layer, keras.layers.BatchNormalization):
                 layer.synchronized = True
     state.ready()
+    for update in state.updates():
+        register_loop(model, update)  # the same update in a custom loop (training/loop.py)
     return model
 
 
