@@ -187,3 +187,31 @@ def test_crash_in_the_last_epoch_resumes_with_that_epochs_batches(
         )
         <= 1e-5
     )
+
+
+def test_resume_mid_epoch_with_an_input_of_unknown_length(tmp_path: Path) -> None:
+    """A dataset whose length is unknown (a multi-worker dataset_fn's is hidden the same way):
+    Keras learns an epoch's length from the first epoch that ends, and the resumed epoch,
+    its first batches skipped, is short; the later epochs must still run every batch."""
+    import tensorflow as tf
+
+    x, y = DATA
+
+    def data() -> tf.data.Dataset:
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(32).filter(lambda *_: True)
+
+    def fit(folder: Path, callbacks: list[Any]) -> Any:
+        model = tiny_model(strategy_for(2), "adam", lr=0.01)
+        config = CheckpointConfig(str(folder), every_steps=3)
+        tfscale.fit(model, data(), epochs=EPOCHS, checkpoint_dir=config, callbacks=callbacks,
+                    strategy=strategy_for(2), verbose=0)  # fmt: skip
+        return model
+
+    uninterrupted = fit(tmp_path / "one", [])
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        fit(tmp_path / "two", [_Crash(epoch=1, batch=5)])  # update 14; checkpoint at 12
+    resumed = fit(tmp_path / "two", [])
+    steps = EPOCHS * len(x) // 32
+    assert int(uninterrupted.optimizer.iterations.numpy()) == steps
+    assert int(resumed.optimizer.iterations.numpy()) == steps
+    assert relative_difference(resumed.get_weights(), uninterrupted.get_weights()) <= 1e-5
