@@ -8,6 +8,7 @@ step needs two nodes, so it is shown here from srun's and scontrol's own text.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -23,6 +24,10 @@ from tfscale.launch.slurm_elastic import (
     srun_options,
     unusable_nodes,
 )
+
+from .slurm_cluster import SlurmCluster
+
+_ROOT = Path(__file__).resolve().parents[2]
 
 # What srun printed on the one-node cluster (Slurm 22.05) when task 1 was SIGKILLed under
 # --kill-on-bad-exit=1: the failed task first, then the ones srun stopped.
@@ -164,11 +169,8 @@ def _python() -> str:
 
 
 def _env(bin_dir: Path, extra: dict[str, str]) -> dict[str, str]:
-    import os
-
-    root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env.update(extra, PATH=f"{bin_dir}:{env['PATH']}", PYTHONPATH=str(root / "src"))
+    env.update(extra, PATH=f"{bin_dir}:{env['PATH']}", PYTHONPATH=str(_ROOT / "src"))
     return env
 
 
@@ -178,3 +180,60 @@ def test_sbatch_refuses_a_minimum_above_the_workers(minimum: int) -> None:
 
     assert main(["launch", "--slurm", "--print-sbatch", "--nodes", "2",
                  "--min-workers", str(minimum), "t.py"]) == 2  # fmt: skip
+
+
+# Task 1 SIGKILLs itself on every start, as a task on a broken machine; task 0 would wait
+# (srun --kill-on-bad-exit stops it).
+_KILLED = (
+    "import os, signal, time\n"
+    "if os.environ['SLURM_PROCID'] == '1':\n"
+    "    time.sleep(0.5)\n"
+    "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    "time.sleep(120)\n"
+)
+
+
+@pytest.mark.slurm
+@pytest.mark.multiprocess
+def test_elastic_sbatch_on_a_real_node_names_the_node_and_stops_below_the_minimum(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """The printed elastic loop under sbatch on the one-node cluster: the node of the task
+    that failed is read from the real srun's stderr, counted over the starts and, since
+    leaving it out would leave no worker, the loop ends with the job's last line. (Restarting
+    on the nodes left needs a second node: shown above with srun's text.)"""
+    from tfscale.processes import run
+
+    from .slurm_cluster import free_port_bases, tfscale_bin
+
+    cluster = slurm_cluster
+    folder = cluster.root / "jobs" / "elastic"
+    folder.mkdir(parents=True)
+    (folder / "killed.py").write_text(_KILLED)
+    bin_dir = tfscale_bin(cluster.root / "bin")
+    env = {"PYTHONPATH": str(_ROOT / "src"), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    port = free_port_bases(1, 2)[0]
+    options = ["--nodes", "1", "--tasks-per-node", "2", "--time", "00:05:00", "--name",
+               "elastic", "--port", str(port), "--max-restarts", "1", "--min-workers", "2",
+               str(folder / "killed.py")]  # fmt: skip
+    command = ["tfscale", "launch", "--slurm", "--print-sbatch", *options]
+    printed = run(command, timeout=60, env=cluster.env | env, cwd=folder)
+    assert printed.returncode == 0, printed.stderr
+    script = folder / "job.sbatch"
+    script.write_text(printed.stdout or "")
+    job_id = cluster.submit(script, env=env, cwd=folder)
+    fields = cluster.wait_job(job_id, 180)
+    output = (folder / f"elastic-{job_id}.out").read_text(errors="replace")
+    assert fields["JobState"] == "FAILED", output
+    assert output.count("srun: error: ") >= 2 and "task 1: Killed" in output
+    assert "tfscale: job step failed (status 143), attempt 0" in output, output  # srun's 143
+    assert "tfscale: job step failed (status 143), attempt 1" in output, output
+    last = output.strip().splitlines()[-1]
+    assert last == (
+        f"tfscale: job failed: node {cluster.node} (its task: Killed on 2 starts in a row), "
+        "and without it 0 worker(s) would be left, fewer than --min-workers 2 "
+        f"(lost: node {cluster.node}); no checkpoint was noted (resume needs "
+        "tfscale.fit(checkpoint_dir=...))"
+    ), output
+    assert not list(folder.glob(".tfscale-*"))  # the report folder is removed
+    assert cluster.processes(folder) == []
