@@ -24,7 +24,12 @@ import pytest
 
 from tfscale.testing import relative_difference
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+# One worker runs this module (make test: --dist loadgroup), so its module fixture runs once.
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.slow,
+    pytest.mark.xdist_group("launch-elastic-jobs"),
+]
 
 _ROOT = Path(__file__).resolve().parents[2]
 _SCRIPT = str(Path(__file__).parent / "data" / "elastic_train.py")

@@ -195,6 +195,7 @@ _KILLED = (
 
 @pytest.mark.slurm
 @pytest.mark.multiprocess
+@pytest.mark.xdist_group("slurm-cluster")  # the process whose session holds the cluster
 def test_elastic_sbatch_on_a_real_node_names_the_node_and_stops_below_the_minimum(
     slurm_cluster: SlurmCluster, tmp_path: Path
 ) -> None:
