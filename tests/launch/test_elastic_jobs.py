@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -51,6 +52,11 @@ class _Job:
     def weights(self, name: str) -> list[np.ndarray]:
         with np.load(self.folder / name) as data:
             return [data[f"arr_{i}"] for i in range(len(data.files))]
+
+    @property
+    def pids(self) -> list[int]:
+        """Every task the supervisor reported starting (its pid is its process group)."""
+        return [int(p) for p in re.findall(r"\(pid (\d+)\)", self.stderr)]
 
     def records(self) -> dict[str, dict[str, int]]:
         return {p.stem: json.loads(p.read_text()) for p in self.folder.glob("worker*.json")}
@@ -129,5 +135,22 @@ def test_job_losing_worker_2_finishes_on_2_with_the_uninterrupted_weights(
     difference = relative_difference(
         job.weights(f"w-{kind}.npz"), reference.weights(f"w-{kind}.npz")
     )
+    assert len(job.pids) == 11 and _groups_alive(job.pids) == []  # every attempt stopped
     print(f"{kind}: relative difference to the uninterrupted 3-worker run {difference:.2e}")
     assert difference <= 1e-5, difference
+
+
+def _groups_alive(pgids: list[int]) -> list[int]:
+    """Pids of live processes whose process group is one of ``pgids``."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) in pgids:
+            alive.append(int(entry))
+    return alive
