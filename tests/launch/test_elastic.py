@@ -205,6 +205,22 @@ def test_last_line_below_min_workers_names_the_lost_and_the_checkpoint() -> None
     ) is None  # fmt: skip
 
 
+def test_last_line_of_a_job_that_failed_otherwise_after_a_drop() -> None:
+    line = elastic_line(
+        workers=3,
+        finished=None,
+        dropped=[Drop(2, "worker 2", "killed by SIGKILL", 1, 2)],
+        below=None,
+        min_workers=1,
+        checkpoint=_NOTE,
+    )
+    assert line == (
+        "job failed after it dropped worker 2 (killed by SIGKILL on 1 start); resume from "
+        "/ck/ckpt-24 (epoch 2, batch 4, update 24): run the job again with the same "
+        "checkpoint_dir"
+    )
+
+
 def test_checkpoint_note_round_trip(tmp_path: Path) -> None:
     assert read_checkpoint_note(str(tmp_path)) is None
     write_checkpoint_note(str(tmp_path), _NOTE)
