@@ -245,6 +245,21 @@ def test_epoch_iterator_dataset_and_per_replica_specs() -> None:
     assert internals.per_replica_component_specs(tf.TensorSpec([2])) is None
 
 
+def test_forget_learned_epoch_length_only_for_unknown_lengths() -> None:
+    from keras.src.backend.tensorflow.trainer import TFEpochIterator
+
+    strategy = mirrored_on_cpus(2)
+    data = tf.data.Dataset.from_tensor_slices(np.zeros((8, 3), "float32")).batch(4)
+    unknown = TFEpochIterator(x=data.filter(lambda _: True), distribute_strategy=strategy)
+    _require(unknown, "_num_batches", "forget_learned_epoch_length", "training.checkpoint")
+    unknown._num_batches = 1  # as Keras learns it from a short (resumed) epoch
+    internals.forget_learned_epoch_length(unknown)
+    assert unknown.num_batches is None
+    known = TFEpochIterator(x=data, distribute_strategy=strategy)
+    internals.forget_learned_epoch_length(known)
+    assert known.num_batches == 2
+
+
 def test_set_initial_epoch() -> None:
     model = _functional()
     _require(model, "_initial_epoch", "set_initial_epoch", "training.checkpoint")

@@ -109,6 +109,18 @@ def epoch_iterator_dataset(epoch_iterator: Any) -> Any:
     return epoch_iterator._distributed_dataset
 
 
+def forget_learned_epoch_length(epoch_iterator: Any) -> None:
+    """Makes Keras's ``EpochIterator`` count the next epoch's batches again.
+
+    For an input of unknown length Keras learns an epoch's length from the first epoch that
+    ends (``_num_batches = _steps_seen`` in ``catch_stop_iteration``) and runs that many
+    steps in every later epoch. A resumed epoch (its first batches skipped) is shorter than
+    the others, so it must not be learned from. Inputs of known length are left alone.
+    """
+    if epoch_iterator.data_adapter.num_batches is None:
+        epoch_iterator._num_batches = None
+
+
 def set_initial_epoch(model: Any, epoch: int | None) -> None:
     """``model._initial_epoch``: the epoch ``fit`` starts at, as BackupAndRestore sets it."""
     model._initial_epoch = epoch

@@ -24,6 +24,7 @@ when they do not change.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -149,6 +150,7 @@ class Prepared:
         self.strategy = strategy
         self.options = options
         self.record_timings = False
+        self.epoch_iterator: weakref.ref[Any] | None = None
         internals.override(model, "make_train_function", self.make_train_function)
         internals.override(model, "make_test_function", self.make_test_function)
         internals.override(model, "_maybe_symbolic_build", self.symbolic_build)
@@ -205,6 +207,7 @@ class Prepared:
                 arguments["callbacks"] = guarded(arguments.get("callbacks"), self.model, update)
 
         update = self.update
+        self.epoch_iterator = None  # the first symbolic build of this fit sets it
         with halt_released(update):
             return call_by_name(type(self.model).fit, self.model, args, kwargs, copy)
 
@@ -248,6 +251,10 @@ class Prepared:
         doc): no batch is read, so a Python generator loses none (Keras's own build reads
         one from it, and its fit under a strategy then trains without that batch)."""
         model = self.model
+        if self.epoch_iterator is None and iterator is not None:
+            # The fit's training epoch iterator (built before any evaluate's), for the
+            # checkpoint's resumed epoch (checkpoint.py).
+            self.epoch_iterator = weakref.ref(iterator)
         unbuilt = (
             not all(layer.built for layer in internals.flatten_layers(model))
             or (model.optimizer is not None and not model.optimizer.built)
