@@ -49,6 +49,7 @@ from tfscale.training.optimizer import (
     distributed_update,
     step_in_progress,
 )
+from tfscale.training.options import Options, resolve_strategy
 
 __all__ = ["LoopState", "loop_state", "prepare_loop", "prepared_sources", "register_loop"]
 
@@ -300,8 +301,6 @@ def prepare_loop(
     Raises:
         TrainingError: An argument tfscale cannot use (the message says which and the fix).
     """
-    from tfscale.training.prepare import Options, resolve_strategy
-
     global_clipnorm = check_global_clipnorm(global_clipnorm, clipnorm)
     accumulation_steps = python_int(accumulation_steps)  # NumPy integers, as model.fit
     optimizer = getattr(model, "optimizer", None) if optimizer is None else optimizer

@@ -25,7 +25,7 @@ when they do not change.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import keras
@@ -35,51 +35,17 @@ from tfscale import internals
 from tfscale.errors import TrainingError, explain
 from tfscale.strategy_hooks import call_by_name
 from tfscale.training.adopt import adopt, model_optimizers
-from tfscale.training.allreduce import Compression, check_compression
+from tfscale.training.allreduce import check_compression
 from tfscale.training.callbacks import guarded, halt_released
 from tfscale.training.checks import check_global_clipnorm, python_int
 from tfscale.training.data import COPIED_FIT_ARGUMENTS, copied_batches
 from tfscale.training.function import StepFunction, example_count
 from tfscale.training.loop import register_loop
 from tfscale.training.optimizer import DistributedUpdate, distributed_update
+from tfscale.training.options import Options, resolve_strategy
 from tfscale.training.precision import Precision, apply_policy, resolve_precision
 
 __all__ = ["Options", "Prepared", "prepare", "prepared", "resolve_strategy"]
-
-
-@dataclass(frozen=True)
-class Options:
-    """tfscale's options for a prepared model.
-
-    Attributes:
-        accumulation_steps: Micro-batches (steps) per optimizer update.
-        clipnorm: Clip the all-reduced gradient to this global norm, or None (the
-            ``global_clipnorm`` of ``prepare`` and ``fit``).
-        remat: Recompute activations in the backward pass.
-        jit_compile: Compile the model's forward and backward pass with XLA.
-        sync_batchnorm: BatchNormalization statistics over all replicas' examples.
-        precision: The decided mixed precision.
-        bucket_bytes: Bytes per gradient all-reduce bucket; None, one packed all-reduce.
-        gradient_compression: ``"bf16"`` / ``"fp16"``: all-reduce dense gradients in it.
-    """
-
-    accumulation_steps: int = 1
-    clipnorm: float | None = None
-    bucket_bytes: int | None = None
-    gradient_compression: Compression | None = None
-    remat: bool = False
-    jit_compile: bool = False
-    sync_batchnorm: bool = False
-    precision: Precision = field(default_factory=lambda: resolve_precision(None))
-
-
-def resolve_strategy(model: Any, strategy: tf.distribute.Strategy | None) -> Any:
-    """The strategy to train with: ``strategy_in_effect`` (explicit, the active scope's, the
-    model's own), else ``tfscale.choose_strategy()`` over every device."""
-    from tfscale.strategy import choose_strategy, strategy_in_effect
-
-    found = strategy_in_effect(model, strategy)
-    return found if found is not None else choose_strategy().strategy
 
 
 def check_model(model: Any) -> None:
