@@ -4,14 +4,34 @@ Under ParameterServerStrategy the chief does not train: it creates the variables
 ``ps`` tasks and schedules step functions on the ``worker`` tasks, which run them
 asynchronously, each on batches of its own copy of the dataset::
 
-    chief:     schedule(step) x steps_per_epoch ─► join() ─► epoch logs, checkpoint
-    worker i:  next(batch) ─► forward/backward ─► apply gradients to the variables on ps
-    ps j:      holds a slice of the variables
+    chief:     reset metrics ─► schedule(step) x steps_per_epoch ─► join() ─► metrics' results
+               = epoch logs ─► checkpoint
+    worker i:  next(batch) ─► model.train_step: forward, loss, optimizer.apply, metric
+               updates, all on the variables on ps
+    ps j:      holds a slice of the variables (the model's, the optimizer's, the metrics')
 
-Updates are asynchronous, so the result does not equal a single-device run step for step
-(that is what the synchronous strategies are for); it trains the same model on the same
-data. Each ``tfscale.fit`` argument is honoured (``HONOURED``) or, set to a value that uses
-it, refused before any work with a TrainingError naming it and its fix
+Each scheduled step is the model's own ``train_step`` (#25.2), as in Keras 2's ``model.fit``
+under this strategy: ``compute_loss`` and ``train_step`` overrides, ``add_loss``, several
+outputs with their loss weights and the compiled metrics run as on one device. The
+variables the step creates lazily on one device (the model's, the compiled loss's and
+metrics', the optimizer's) are created before the first step, on the ``ps`` tasks
+(``internals.symbolic_build``), so the metrics accumulate there over every worker's steps
+and each epoch's logs are their results, read by the chief after ``join()``. A step that
+cannot be traced for the workers (it creates variables, or uses an optimizer that is not
+built) is refused before any update with a TrainingError naming the override.
+
+The custom-loop core (``loop.py``, ``optimizer.DistributedUpdate``) is not used here: what it
+adds is the synchronous update (example-weighted gradients, one all-reduce over replicas,
+clipping and finiteness after it), and an asynchronous worker's step has nothing to reduce
+with; each step is one device's, applied by Keras's own optimizer to the ps variables.
+
+With one worker the scheduled steps run one after the other and the result equals one
+device's (tested to 0.0 difference). With several, updates are asynchronous, so the result
+does not equal a single-device run step for step (that is what the synchronous strategies
+are for); it trains the same model on the same data.
+
+Each ``tfscale.fit`` argument is honoured (``HONOURED``) or, set to a value that uses it,
+refused before any work with a TrainingError naming it and its fix
 (:func:`refuse_unsupported`): the options that need a synchronous all-reduce, validation,
 ``class_weight``, and any argument ``fit`` gains before this loop learns it.
 """
@@ -25,6 +45,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfscale import internals
 from tfscale.errors import TrainingError, explain
 
 __all__ = [
@@ -200,7 +221,8 @@ def fit_with_coordinator(
     """Trains a compiled model through a ClusterCoordinator (see the module docstring).
 
     Args:
-        model: A compiled single-output Keras model built inside ``strategy.scope()``.
+        model: A compiled Keras model created inside ``strategy.scope()``; its own
+            ``train_step`` runs on the workers.
         data: ``(x, y)`` or ``(x, y, sample_weight)`` arrays (each worker shuffles its own
             copy with a different seed), a batched ``tf.data.Dataset`` (repeated), or
             ``dataset_fn(input_context)`` returning batches (repeated by the caller).
@@ -218,23 +240,28 @@ def fit_with_coordinator(
             honour raises (:func:`unsupported_options`).
 
     Returns:
-        The History; ``history["loss"]`` is each epoch's mean step loss.
+        The History: each epoch's ``model.get_metrics_result()`` (``loss``, the compiled
+        metrics, each output's loss), over every step of the epoch on every worker.
 
     Raises:
-        TrainingError: An option this loop does not support, a model that is not compiled
-            or has several outputs, or data it cannot read.
+        TrainingError: An option this loop does not support, a model that is not compiled,
+            a ``train_step`` that cannot run on the workers, or data it cannot read.
     """
     refuse_unsupported(
         {"shuffle": shuffle, "y": data[1] if isinstance(data, (tuple, list)) else None, **options}
     )
-    loss_fn = _loss_of(model)
-    make_dataset, steps = _input(data, batch_size, steps_per_epoch, strategy, shuffle)
+    _check_compiled(model)
+    make_dataset, steps, element_spec = _input(data, batch_size, steps_per_epoch, strategy, shuffle)
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     optimizer = model.optimizer
     with strategy.scope():
+        # What the step would otherwise create in its first trace, on a worker: the model's,
+        # the compiled loss's and metrics' and the optimizer's variables.
+        internals.symbolic_build(model, element_spec)
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
         epoch_var = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfscale_epoch")
+    _check_optimizers_built(model)
     manager = None
     if checkpoint_dir:
         checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, epoch=epoch_var)
@@ -242,7 +269,7 @@ def fit_with_coordinator(
         if manager.latest_checkpoint:
             checkpoint.restore(manager.latest_checkpoint)
     iterator = iter(coordinator.create_per_worker_dataset(make_dataset))
-    step = _step_function(model, optimizer, loss_fn, strategy)
+    step = _step_function(model, strategy)
     history = keras.callbacks.History()
     callback_list = keras.callbacks.CallbackList(
         [*list(callbacks or []), history], model=model, epochs=epochs, steps=steps, verbose=0
@@ -250,15 +277,16 @@ def fit_with_coordinator(
     callback_list.on_train_begin()
     for epoch in range(max(initial_epoch, int(epoch_var.numpy())), epochs):
         callback_list.on_epoch_begin(epoch)
-        results = [coordinator.schedule(step, args=(iterator,)) for _ in range(steps)]
+        model.reset_metrics()
+        _schedule(coordinator, step, iterator, model, steps)
         coordinator.join()
-        losses = [float(np.mean(_local(r.fetch()))) for r in results]
-        logs = {"loss": float(np.mean(losses))}
+        logs = _logs(model)
         epoch_var.assign(epoch + 1)
         if manager is not None:
             manager.save(checkpoint_number=epoch + 1)
         if verbose:
-            print(f"Epoch {epoch + 1}/{epochs} - {steps} steps - loss: {logs['loss']:.6g}")
+            shown = " - ".join(f"{k}: {v:.6g}" for k, v in logs.items())
+            print(f"Epoch {epoch + 1}/{epochs} - {steps} steps - {shown}")
         callback_list.on_epoch_end(epoch, logs)
         if model.stop_training:
             break
@@ -266,45 +294,45 @@ def fit_with_coordinator(
     return history
 
 
-def _local(value: Any) -> list[float]:
-    """The per-replica values of a fetched step result, as floats."""
-    values = getattr(value, "values", None)
-    items = values if isinstance(values, tuple) else (value,)
-    return [float(np.asarray(v)) for v in items]
+def _logs(model: Any) -> dict[str, float]:
+    """The epoch's logs: the model's metrics (on the ps tasks), as floats."""
+    return {k: float(np.asarray(v)) for k, v in model.get_metrics_result().items()}
 
 
-def _loss_of(model: Any) -> Callable[..., Any]:
-    if getattr(model, "optimizer", None) is None or getattr(model, "loss", None) is None:
+def _check_compiled(model: Any) -> None:
+    if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None:
         raise TrainingError(
             explain(
-                "tfscale.fit needs a compiled model (optimizer and loss).",
-                received=f"model {getattr(model, 'name', model)!r} without optimizer or loss",
+                "tfscale.fit needs a compiled model (optimizer, and a loss unless the model "
+                "computes its own).",
+                received=f"model {getattr(model, 'name', model)!r} without an optimizer",
                 fix="with strategy.scope():\n        model.compile(optimizer='adam', loss='mse')",
             )
         )
-    if isinstance(model.loss, (dict, list, tuple)):
+
+
+def _check_optimizers_built(model: Any) -> None:
+    """Refuses optimizers held by the model that are not built: the step would build them
+    on a worker, where variables cannot be created."""
+    unbuilt = [
+        name
+        for name, value in vars(model).items()
+        if isinstance(value, keras.optimizers.Optimizer)
+        and value is not model.optimizer
+        and not value.built
+    ]
+    if unbuilt:
         raise TrainingError(
             explain(
-                "tfscale.fit under ParameterServerStrategy supports one loss.",
-                received=model.loss,
-                allowed="a loss name or a keras.losses.Loss",
-                fix="combine the outputs' losses into one loss function.",
+                f"{type(model).__name__}.train_step may use optimizers that are not built; "
+                "under ParameterServerStrategy their variables cannot be created inside a "
+                "step, which runs on a worker.",
+                received=", ".join(f"self.{name} (not built)" for name in unbuilt),
+                allowed="optimizers built before tfscale.fit, inside strategy.scope()",
+                fix="with strategy.scope():\n        "
+                + "\n        ".join(f"model.{n}.build(<its variables>)" for n in unbuilt),
             )
         )
-    loss = keras.losses.get(model.loss)
-    if isinstance(loss, keras.losses.Loss):
-        return loss  # type: ignore[no-any-return]
-    # A function (from a name such as "mse") returns one value per example: weight them and
-    # take the batch mean, as a Loss object's default "sum_over_batch_size" reduction does.
-    function = loss
-
-    def reduced(y_true: Any, y_pred: Any, sample_weight: Any = None) -> Any:
-        values = tf.cast(function(y_true, y_pred), tf.float32)
-        if sample_weight is not None:
-            values = values * tf.reshape(tf.cast(sample_weight, values.dtype), tf.shape(values))
-        return tf.reduce_mean(values)
-
-    return reduced
 
 
 def _input(
@@ -313,11 +341,13 @@ def _input(
     steps_per_epoch: int | None,
     strategy: Any,
     shuffle: bool | str = True,
-) -> tuple[Callable[[], Any], int]:
-    """A per-worker dataset function and the number of steps in an epoch."""
+) -> tuple[Callable[[], Any], int, Any]:
+    """A per-worker dataset function, the number of steps in an epoch and one batch's spec
+    (what the model's variables are built from before the first step)."""
     if isinstance(data, (tuple, list)) and len(data) in (2, 3):
-        arrays = tuple(np.asarray(a) for a in data)
-        count = len(arrays[0])
+        # x and y may be dicts or lists (several inputs or outputs), as in Keras's fit.
+        arrays = internals.lists_to_tuples(tf.nest.map_structure(np.asarray, tuple(data)))
+        count = len(tf.nest.flatten(arrays)[0])
         batch = batch_size or 32
         if count < batch:
             raise TrainingError(
@@ -337,10 +367,13 @@ def _input(
                 dataset = dataset.shuffle(count, seed=None, reshuffle_each_iteration=True)
             return dataset.repeat().batch(batch, drop_remainder=True).prefetch(2)
 
-        return from_arrays, steps_per_epoch or count // batch
+        spec = tf.nest.map_structure(
+            lambda a: tf.TensorSpec((batch, *a.shape[1:]), tf.as_dtype(a.dtype)), arrays
+        )
+        return from_arrays, steps_per_epoch or count // batch, spec
     if isinstance(data, tf.data.Dataset):
         steps = steps_per_epoch or _finite_cardinality(data)
-        return (lambda: data.repeat()), steps
+        return (lambda: data.repeat()), steps, data.element_spec
     if callable(data):
         if not steps_per_epoch:
             raise TrainingError(
@@ -351,7 +384,9 @@ def _input(
                     fix="pass steps_per_epoch and make dataset_fn repeat its data.",
                 )
             )
-        return (lambda: strategy.distribute_datasets_from_function(data)), steps_per_epoch
+        # The spec of one worker's batches; the chief only builds the pipeline, reads nothing.
+        spec = data(tf.distribute.InputContext()).element_spec
+        return (lambda: strategy.distribute_datasets_from_function(data)), steps_per_epoch, spec
     raise TrainingError(
         explain(
             "tfscale.fit cannot read this data under ParameterServerStrategy.",
@@ -375,20 +410,46 @@ def _finite_cardinality(dataset: tf.data.Dataset) -> int:
     return count
 
 
-def _step_function(model: Any, optimizer: Any, loss_fn: Any, strategy: Any) -> Any:
-    @tf.function
-    def step(iterator: Any) -> Any:
-        def replica_step(batch: Any) -> Any:
-            x, y = batch[0], batch[1]
-            weights = batch[2] if len(batch) > 2 else None
-            with tf.GradientTape() as tape:
-                loss = loss_fn(y, model(x, training=True), sample_weight=weights)
-                if model.losses:
-                    loss = loss + tf.add_n(model.losses)
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-            return loss
+def _step_function(model: Any, strategy: Any) -> Any:
+    """The scheduled function: one batch through the model's own ``train_step``.
 
-        return strategy.run(replica_step, args=(next(iterator),))
+    Its outputs (the metrics' results at that step) are not returned: the epoch's logs are
+    read from the metrics once all its steps are done.
+    """
+
+    @tf.function
+    def step(iterator: Any) -> None:
+        strategy.run(model.train_step, args=(next(iterator),))
 
     return step
+
+
+def _schedule(coordinator: Any, step: Any, iterator: Any, model: Any, steps: int) -> None:
+    """Schedules an epoch's steps; a train_step that cannot be traced for the workers is
+    refused (the first schedule traces it, before any step runs)."""
+    try:
+        coordinator.schedule(step, args=(iterator,))
+    except TrainingError:
+        raise
+    except Exception as error:  # the trace's error, whatever its type: re-raised explained
+        owner = type(model).__name__
+        overridden = [
+            name
+            for name in ("train_step", "compute_loss", "compute_metrics")
+            if not internals.uses_default_step(model, name)
+        ]
+        raise TrainingError(
+            explain(
+                f"{owner}.train_step cannot run under ParameterServerStrategy: tracing it "
+                "for the workers failed.",
+                received=f"{type(error).__name__}: {str(error)[:600]}"
+                + (f" (overridden: {', '.join(overridden)})" if overridden else ""),
+                allowed="a train_step that creates no variables inside the step and uses "
+                "only optimizers and metrics built before tfscale.fit",
+                fix="create every variable (optimizers, metrics, layers) before tfscale.fit, "
+                "inside strategy.scope(); or train with MultiWorkerMirroredStrategy "
+                "(tfscale launch -n N without --ps)",
+            )
+        ) from error
+    for _ in range(steps - 1):
+        coordinator.schedule(step, args=(iterator,))

@@ -1,0 +1,178 @@
+"""The ParameterServerStrategy loop runs the model's own ``train_step`` (#25.2).
+
+On an in-process cluster of one ps and ONE worker, so that the scheduled steps run one after
+the other on the batches in order: the update is then sequential, as on one device, and must
+give one device's weights and History (with two workers the updates interleave
+asynchronously and no step-by-step equality is owed; tests/training/test_coordinator_arguments.py
+trains on two). Models: a ``compute_loss`` override, ``add_loss``, two outputs with loss
+weights, compiled metrics and sample weights; and the refusals of a step that cannot run.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tfscale.testing import run_python
+
+pytestmark = [pytest.mark.tf, pytest.mark.xdist_group("ps-train-step")]
+
+_CHILD = """
+import json
+import keras, numpy as np, tensorflow as tf
+import tfscale
+from tfscale.launch.ports import free_ports
+
+ports = free_ports(2)
+spec = tf.train.ClusterSpec({"worker": [f"localhost:{ports[0]}"], "ps": [f"localhost:{ports[1]}"]})
+servers = [tf.distribute.Server(spec, job_name="worker", task_index=0, protocol="grpc"),
+           tf.distribute.Server(spec, job_name="ps", task_index=0, protocol="grpc")]
+strategy = tf.distribute.ParameterServerStrategy(
+    tf.distribute.cluster_resolver.SimpleClusterResolver(spec, rpc_layer="grpc"))
+
+rng = np.random.default_rng(0)
+x = rng.normal(size=(32, 4)).astype("float32")
+y = x @ rng.normal(size=(4, 1)).astype("float32")
+labels = (x[:, :1] > 0).astype("float32")
+weights = rng.uniform(0.5, 2.0, size=32).astype("float32")
+
+
+class OwnLoss(keras.Model):
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return tf.reduce_mean(tf.abs(y - y_pred)) * 3.0 + tf.reduce_sum(self.losses)
+
+
+def dense(units=1):
+    return keras.layers.Dense(units, kernel_initializer=keras.initializers.GlorotUniform(7))
+
+
+def own_loss():
+    i = keras.Input((4,))
+    m = OwnLoss(i, dense()(i))
+    m.compile(keras.optimizers.SGD(0.05), metrics=["mae"])
+    return m
+
+
+class Penalty(keras.layers.Layer):
+    def call(self, h):
+        self.add_loss(0.1 * tf.reduce_mean(tf.square(h)))
+        return h
+
+
+def with_add_loss():
+    i = keras.Input((4,))
+    m = keras.Model(i, dense()(Penalty()(dense(3)(i))))
+    m.compile(keras.optimizers.Adam(0.01), "mse", metrics=["mae"])
+    return m
+
+
+def two_outputs():
+    i = keras.Input((4,))
+    h = dense(3)(i)
+    a = keras.layers.Dense(1, "sigmoid", kernel_initializer=keras.initializers.GlorotUniform(8),
+                           name="a")(h)
+    b = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(9), name="b")(h)
+    m = keras.Model(i, {"a": a, "b": b})
+    m.compile(keras.optimizers.Adam(0.01), {"a": "binary_crossentropy", "b": "mse"},
+              loss_weights={"a": 1.0, "b": 0.5}, metrics={"a": ["accuracy"], "b": ["mae"]})
+    return m
+
+
+CASES = {
+    "compute_loss": (own_loss, {"y": y}),
+    "add_loss": (with_add_loss, {"y": y}),
+    "two_outputs": (two_outputs, {"y": {"a": labels, "b": y}, "sample_weight": weights}),
+}
+results = {}
+for name, (build, data) in CASES.items():
+    reference = build()
+    expected = reference.fit(x, batch_size=8, epochs=2, shuffle=False, verbose=0, **data)
+    with strategy.scope():
+        model = build()
+    got = tfscale.fit(model, x, strategy=strategy, batch_size=8, epochs=2, shuffle=False,
+                      verbose=0, **data)
+    results[name] = {
+        "expected": expected.history,
+        "got": got.history,
+        "weights": max(float(np.max(np.abs(a - b)))
+                       for a, b in zip(reference.get_weights(), model.get_weights())),
+        "iterations": int(model.optimizer.iterations.numpy()),
+    }
+
+
+class MakesVariable(keras.Model):
+    def train_step(self, data):
+        extra = tf.Variable(1.0)
+        return {"loss": extra}
+
+
+class TwoOptimizers(keras.Model):
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+refusals = {}
+with strategy.scope():
+    i = keras.Input((4,))
+    bad = MakesVariable(i, dense()(i))
+    bad.compile("sgd", "mse")
+    i = keras.Input((4,))
+    second = TwoOptimizers(i, dense()(i))
+    second.compile("sgd", "mse")
+    second.other_optimizer = keras.optimizers.SGD(0.1)
+for name, model in {"creates_variable": bad, "unbuilt_optimizer": second}.items():
+    try:
+        tfscale.fit(model, x, y, strategy=strategy, batch_size=8, epochs=1, verbose=0)
+        refusals[name] = "trained"
+    except tfscale.TrainingError as error:
+        refusals[name] = str(error)
+results["refusals"] = refusals
+print("RESULTS " + json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def trained() -> dict[str, Any]:
+    """One device's fit and tfscale.fit on 1 ps + 1 worker, for each model."""
+    done = run_python(_CHILD, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    results: dict[str, Any] = json.loads(lines[-1][len("RESULTS ") :])
+    return results
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["compute_loss", "add_loss", "two_outputs"])
+def test_one_worker_gives_one_device_weights_and_history(
+    case: str, trained: dict[str, Any]
+) -> None:
+    result = trained[case]
+    assert result["weights"] <= 1e-5, result
+    assert result["iterations"] == 8  # 2 epochs of 32 / 8 batches
+    expected, got = result["expected"], result["got"]
+    assert set(got) == set(expected), (sorted(got), sorted(expected))
+    for key, values in expected.items():
+        assert got[key] == pytest.approx(values, rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_history_carries_the_compiled_metrics(trained: dict[str, Any]) -> None:
+    assert {"loss", "a_accuracy", "b_mae", "a_loss", "b_loss"} <= set(trained["two_outputs"]["got"])
+    assert {"loss", "mae"} <= set(trained["add_loss"]["got"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_step_that_cannot_run_on_the_workers_is_refused(trained: dict[str, Any]) -> None:
+    refusals = trained["refusals"]
+    assert (
+        "MakesVariable.train_step cannot run under ParameterServerStrategy"
+        in refusals["creates_variable"]
+    ), refusals
+    assert "overridden: train_step" in refusals["creates_variable"]
+    assert "self.other_optimizer (not built)" in refusals["unbuilt_optimizer"], refusals
+    assert "Fix:" in refusals["unbuilt_optimizer"]
