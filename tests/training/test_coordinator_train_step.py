@@ -5,7 +5,8 @@ the other on the batches in order: the update is then sequential, as on one devi
 give one device's weights and History (with two workers the updates interleave
 asynchronously and no step-by-step equality is owed; tests/training/test_coordinator_arguments.py
 trains on two). Models: a ``compute_loss`` override, ``add_loss``, two outputs with loss
-weights, compiled metrics and sample weights; and the refusals of a step that cannot run.
+weights, compiled metrics and sample weights (from arrays, a tf.data.Dataset and a
+dataset_fn); and the refusals of a step that cannot run.
 """
 
 from __future__ import annotations
@@ -85,14 +86,32 @@ CASES = {
     "add_loss": (with_add_loss, {"y": y}),
     "two_outputs": (two_outputs, {"y": {"a": labels, "b": y}, "sample_weight": weights}),
 }
+
+
+def batches(input_context=None):
+    return tf.data.Dataset.from_tensor_slices((x, {"a": labels, "b": y}, weights)).batch(8)
+
+
+# The same two-output model fed a tf.data.Dataset and a dataset_fn (repeated by the caller).
+INPUTS = {
+    "dataset": lambda: {"x": batches()},
+    "dataset_fn": lambda: {"x": lambda context: batches(context).repeat(), "steps_per_epoch": 4},
+}
 results = {}
-for name, (build, data) in CASES.items():
+for name in [*CASES, *INPUTS]:
+    build, data = CASES.get(name, (two_outputs, None))
     reference = build()
-    expected = reference.fit(x, batch_size=8, epochs=2, shuffle=False, verbose=0, **data)
+    if data is None:
+        expected = reference.fit(batches(), epochs=2, verbose=0)
+    else:
+        expected = reference.fit(x, batch_size=8, epochs=2, shuffle=False, verbose=0, **data)
     with strategy.scope():
         model = build()
-    got = tfscale.fit(model, x, strategy=strategy, batch_size=8, epochs=2, shuffle=False,
-                      verbose=0, **data)
+    if data is None:
+        got = tfscale.fit(model, strategy=strategy, epochs=2, verbose=0, **INPUTS[name]())
+    else:
+        got = tfscale.fit(model, x, strategy=strategy, batch_size=8, epochs=2, shuffle=False,
+                          verbose=0, **data)
     results[name] = {
         "expected": expected.history,
         "got": got.history,
@@ -145,7 +164,9 @@ def trained() -> dict[str, Any]:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["compute_loss", "add_loss", "two_outputs"])
+@pytest.mark.parametrize(
+    "case", ["compute_loss", "add_loss", "two_outputs", "dataset", "dataset_fn"]
+)
 def test_one_worker_gives_one_device_weights_and_history(
     case: str, trained: dict[str, Any]
 ) -> None:

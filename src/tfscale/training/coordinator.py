@@ -38,7 +38,7 @@ refused before any work with a TrainingError naming it and its fix
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import keras
@@ -341,9 +341,10 @@ def _input(
     steps_per_epoch: int | None,
     strategy: Any,
     shuffle: bool | str = True,
-) -> tuple[Callable[[], Any], int, Any]:
-    """A per-worker dataset function, the number of steps in an epoch and one batch's spec
-    (what the model's variables are built from before the first step)."""
+) -> tuple[Any, int, Any]:
+    """What ``create_per_worker_dataset`` takes (a dataset function or a dataset), the number
+    of steps in an epoch and one batch's spec (what the model's variables are built from
+    before the first step)."""
     if isinstance(data, (tuple, list)) and len(data) in (2, 3):
         # x and y may be dicts or lists (several inputs or outputs), as in Keras's fit.
         arrays = internals.lists_to_tuples(tf.nest.map_structure(np.asarray, tuple(data)))
@@ -373,7 +374,10 @@ def _input(
         return from_arrays, steps_per_epoch or count // batch, spec
     if isinstance(data, tf.data.Dataset):
         steps = steps_per_epoch or _finite_cardinality(data)
-        return (lambda: data.repeat()), steps, data.element_spec
+        # The dataset itself, which the coordinator rebuilds on each worker from its graph:
+        # a function returning it would capture the chief's dataset, which a worker cannot
+        # read ("Failed copying input tensor ... Unable to parse tensor proto").
+        return data.repeat(), steps, data.element_spec
     if callable(data):
         if not steps_per_epoch:
             raise TrainingError(
