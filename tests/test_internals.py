@@ -304,6 +304,35 @@ def test_replica_count_scaling_off() -> None:
         assert float(module.scale_loss_for_distribution(tf.constant(4.0))) == 2.0
 
 
+def test_atomic_variable_updates() -> None:
+    from keras.src.backend.tensorflow.core import Variable
+
+    for name in ("assign_add", "assign_sub"):
+        _require(Variable, name, "atomic_variable_updates", "training.coordinator")
+    variable = keras.Variable(1.0)
+    _require(variable, "_value", "atomic_variable_updates", "training.coordinator")
+
+    def ops(atomic: bool) -> set[str]:
+        def update() -> None:
+            if atomic:
+                with internals.atomic_variable_updates():
+                    variable.assign_add(2.0)
+                    variable.assign_sub(0.5)
+            else:
+                variable.assign_add(2.0)
+                variable.assign_sub(0.5)
+
+        graph = tf.function(update).get_concrete_function().graph
+        return {op.type for op in graph.get_operations()}
+
+    assert {"AssignAddVariableOp", "AssignSubVariableOp"} <= ops(atomic=True)
+    assert not {"AssignAddVariableOp", "AssignSubVariableOp"} & ops(atomic=False)  # Keras's
+    with internals.atomic_variable_updates():
+        variable.assign_add(2.0)  # eagerly too
+    variable.assign_sub(0.5)
+    assert float(variable.numpy()) == 2.5
+
+
 def test_watch_gradient_targets_sees_the_target_and_keeps_the_gradient() -> None:
     _require(tf.GradientTape, "gradient", "watch_gradient_targets", "training.loop")
     seen: list[Any] = []

@@ -24,6 +24,7 @@ from typing import Any
 
 __all__ = [
     "DEFAULT_STRATEGY_CLASS",
+    "atomic_variable_updates",
     "autograph_origin",
     "backing_variable",
     "builtin_all_reduce_replaced",
@@ -379,6 +380,55 @@ def replica_count_scaling_off() -> Iterator[None]:
         yield
     finally:
         _PER_REPLICA_LOSSES.reset(token)
+
+
+_ATOMIC_UPDATES: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "tfscale_atomic_updates", default=False
+)
+
+
+def _install_atomic_update_switch() -> None:
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+    from keras.src.backend.tensorflow.core import Variable
+
+    with _INSTALL:
+        for name in ("assign_add", "assign_sub"):
+            current = getattr(Variable, name)
+            if hasattr(current, _ORIGINAL):
+                continue
+
+            def switched(
+                self: Any, value: Any, _keras: Callable[..., Any] = current, _name: str = name
+            ) -> Any:
+                if not _ATOMIC_UPDATES.get() or in_stateless_scope():
+                    return _keras(self, value)
+                import tensorflow as tf
+
+                backing = self._value
+                return getattr(backing, _name)(tf.cast(value, backing.dtype))
+
+            setattr(switched, _ORIGINAL, current)
+            setattr(Variable, name, switched)
+
+
+@contextlib.contextmanager
+def atomic_variable_updates() -> Iterator[None]:
+    """Makes ``keras.Variable.assign_add`` / ``assign_sub`` one atomic update, in this thread.
+
+    Keras's are ``self.assign(self + value)`` (``keras/src/backend/common/variables.py``): a
+    read, then a write. Where several workers update the same variable at once (metrics and
+    ``optimizer.iterations`` on a parameter server), an update made between another's read
+    and write is lost (measured: 144 of 256 examples counted by a metric over 2 workers).
+    Inside this, they are the backing ``tf.Variable``'s own ``assign_add`` / ``assign_sub``
+    (AssignAddVariableOp, which holds the variable's lock). Enter it inside the replica
+    function: only code traced in the thread that entered it sees it.
+    """
+    _install_atomic_update_switch()
+    token = _ATOMIC_UPDATES.set(True)
+    try:
+        yield
+    finally:
+        _ATOMIC_UPDATES.reset(token)
 
 
 _WATCH_LOCK = threading.Lock()

@@ -128,8 +128,7 @@ for name in NAMES:
         del kwargs["x"], kwargs["y"]
     if name == "initial_epoch":
         kwargs["epochs"] = 2
-    # Steps and epochs as the loop scheduled them (optimizer.iterations loses increments
-    # when two workers update it at once).
+    # Steps and epochs as the loop scheduled them.
     recorder = value[0] if name == "callbacks" else Recorder()
     kwargs["callbacks"] = [recorder]
     before = int(model.optimizer.iterations.numpy())

@@ -3,10 +3,11 @@
 On an in-process cluster of one ps and ONE worker, so that the scheduled steps run one after
 the other on the batches in order: the update is then sequential, as on one device, and must
 give one device's weights and History (with two workers the updates interleave
-asynchronously and no step-by-step equality is owed; tests/training/test_coordinator_arguments.py
-trains on two). Models: a ``compute_loss`` override, ``add_loss``, two outputs with loss
-weights, compiled metrics and sample weights (from arrays, a tf.data.Dataset and a
-dataset_fn); and the refusals of a step that cannot run.
+asynchronously and no step-by-step equality is owed). Models: a ``compute_loss`` override,
+``add_loss``, two outputs with loss weights, compiled metrics and sample weights (from
+arrays, a tf.data.Dataset and a dataset_fn); and the refusals of a step that cannot run.
+On two workers: the metrics, on the ps and updated by both, count every example of every
+step (an update lost between one worker's read and write would show).
 """
 
 from __future__ import annotations
@@ -197,3 +198,59 @@ def test_a_step_that_cannot_run_on_the_workers_is_refused(trained: dict[str, Any
     assert "overridden: train_step" in refusals["creates_variable"]
     assert "self.other_optimizer (not built)" in refusals["unbuilt_optimizer"], refusals
     assert "Fix:" in refusals["unbuilt_optimizer"]
+
+
+_TWO_WORKERS = """
+import json
+import keras, numpy as np, tensorflow as tf
+import tfscale
+from tfscale.launch.ports import free_ports
+
+ports = free_ports(3)
+spec = tf.train.ClusterSpec({"worker": [f"localhost:{p}" for p in ports[:2]],
+                             "ps": [f"localhost:{ports[2]}"]})
+servers = [tf.distribute.Server(spec, job_name="worker", task_index=i, protocol="grpc",
+                                config=tf.compat.v1.ConfigProto(inter_op_parallelism_threads=3))
+           for i in range(2)]
+servers.append(tf.distribute.Server(spec, job_name="ps", task_index=0, protocol="grpc"))
+strategy = tf.distribute.ParameterServerStrategy(
+    tf.distribute.cluster_resolver.SimpleClusterResolver(spec, rpc_layer="grpc"))
+
+
+class Examples(keras.metrics.Metric):
+    def __init__(self, name="examples", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.seen = self.add_variable((), initializer="zeros", name="seen")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.seen.assign_add(tf.cast(tf.shape(y_true)[0], self.seen.dtype))
+
+    def result(self):
+        return self.seen
+
+
+rng = np.random.default_rng(0)
+x = rng.normal(size=(256, 4)).astype("float32")
+y = x[:, :1] * 2
+with strategy.scope():
+    i = keras.Input((4,))
+    model = keras.Model(i, keras.layers.Dense(1)(i))
+    model.compile(keras.optimizers.SGD(0.05), "mse", metrics=["mae", Examples()])
+history = tfscale.fit(model, x, y, strategy=strategy, batch_size=8, epochs=2, verbose=0)
+print("RESULTS " + json.dumps({"history": history.history,
+                               "iterations": int(model.optimizer.iterations.numpy())}))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_workers_metrics_count_every_step() -> None:
+    done = run_python(_TWO_WORKERS, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULTS ") :])
+    history = result["history"]
+    assert set(history) == {"loss", "mae", "examples"}
+    assert history["examples"] == [256.0, 256.0]  # 32 steps of 8, on either worker
+    assert result["iterations"] == 64
+    assert history["loss"][1] < history["loss"][0]

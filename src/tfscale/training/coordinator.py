@@ -16,7 +16,9 @@ outputs with their loss weights and the compiled metrics run as on one device. T
 variables the step creates lazily on one device (the model's, the compiled loss's and
 metrics', the optimizer's) are created before the first step, on the ``ps`` tasks
 (``internals.symbolic_build``), so the metrics accumulate there over every worker's steps
-and each epoch's logs are their results, read by the chief after ``join()``. A step that
+(each update one atomic op: Keras's read-then-write ``assign_add`` lost updates of concurrent
+workers, ``internals.atomic_variable_updates``) and each epoch's logs are their results,
+read by the chief after ``join()``. A step that
 cannot be traced for the workers (it creates variables, or uses an optimizer that is not
 built) is refused before any update with a TrainingError naming the override.
 
@@ -421,9 +423,15 @@ def _step_function(model: Any, strategy: Any) -> Any:
     read from the metrics once all its steps are done.
     """
 
+    def replica_step(data: Any) -> None:
+        # Metrics and optimizer.iterations live on the ps and every worker updates them:
+        # each update one atomic op, or concurrent steps lose some (internals).
+        with internals.atomic_variable_updates():
+            model.train_step(data)
+
     @tf.function
     def step(iterator: Any) -> None:
-        strategy.run(model.train_step, args=(next(iterator),))
+        strategy.run(replica_step, args=(next(iterator),))
 
     return step
 
