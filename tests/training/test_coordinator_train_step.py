@@ -3,7 +3,8 @@
 On an in-process cluster of one ps and ONE worker, so that the scheduled steps run one after
 the other on the batches in order: the update is then sequential, as on one device, and must
 give one device's weights and History (with two workers the updates interleave
-asynchronously and no step-by-step equality is owed). Models: a ``compute_loss`` override,
+asynchronously and no step-by-step equality is owed). Models: a ``train_step`` override
+(Keras's guide's, with its own trackers), a ``compute_loss`` override,
 ``add_loss``, two outputs with loss weights, compiled metrics and sample weights (from
 arrays, a tf.data.Dataset and a dataset_fn); and the refusals of a step that cannot run.
 On two workers: the metrics, on the ps and updated by both, count every example of every
@@ -82,7 +83,38 @@ def two_outputs():
     return m
 
 
+class OwnStep(keras.Model):
+    # Keras's "customizing fit" guide: its own loss, trackers and logs.
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+        self.mae_metric = keras.metrics.MeanAbsoluteError(name="mae")
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = keras.losses.mean_squared_error(y, y_pred)
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(gradients, self.trainable_variables)
+        self.loss_tracker.update_state(loss)
+        self.mae_metric.update_state(y, y_pred)
+        return {"loss": self.loss_tracker.result(), "mae": self.mae_metric.result()}
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker, self.mae_metric]
+
+
+def own_step():
+    i = keras.Input((4,))
+    m = OwnStep(i, dense()(i))
+    m.compile(keras.optimizers.SGD(0.05))
+    return m
+
+
 CASES = {
+    "train_step": (own_step, {"y": y}),
     "compute_loss": (own_loss, {"y": y}),
     "add_loss": (with_add_loss, {"y": y}),
     "two_outputs": (two_outputs, {"y": {"a": labels, "b": y}, "sample_weight": weights}),
@@ -166,7 +198,7 @@ def trained() -> dict[str, Any]:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "case", ["compute_loss", "add_loss", "two_outputs", "dataset", "dataset_fn"]
+    "case", ["train_step", "compute_loss", "add_loss", "two_outputs", "dataset", "dataset_fn"]
 )
 def test_one_worker_gives_one_device_weights_and_history(
     case: str, trained: dict[str, Any]
