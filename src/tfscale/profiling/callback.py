@@ -103,17 +103,25 @@ class ProfileCallback(keras.callbacks.Callback):  # type: ignore[misc]
             self._trace_context.__exit__(None, None, None)
             self._trace_context = None
         if self._step >= self.warmup:
-            timings = getattr(self.model.train_function, "timings", None)
-            if timings:  # tfscale.fit timed the call: fetch apart from the steps
-                timing = timings.pop()
-                self.fetch_s.append(timing.fetch_seconds)
-                self.step_s.append(timing.fetch_seconds + timing.step_seconds)
+            timing = self._timing(end)
+            if timing is not None:  # the fetch timed apart from the step
+                self.fetch_s.append(timing[0])
+                self.step_s.append(timing[0] + timing[1])
             else:
                 self.step_s.append(end - self._begin)
         self._last_end = end
         self._step += 1
         if self._tracing and self.trace_steps and self._step >= self.trace_steps[1]:
             self._stop_trace()
+
+    def _timing(self, end: float) -> tuple[float, float] | None:
+        """``(seconds fetching, seconds stepping)`` of the step that just ended, where the
+        fetch was timed apart (``tfscale.fit``'s train function), else None."""
+        timings = getattr(getattr(self.model, "train_function", None), "timings", None)
+        if timings:
+            timing = timings.pop()
+            return timing.fetch_seconds, timing.step_seconds
+        return None
 
     def on_train_end(self, logs: Any = None) -> None:
         if self._tracing:

@@ -120,6 +120,7 @@ def run_script(path: str, argv: list[str], out_json: str, trace_steps: tuple[int
     else:
         split_cpu_when_alone()
     from tfscale.profiling.callback import ProfileCallback
+    from tfscale.profiling.loopsteps import LoopSteps, watch_loop_steps
 
     callbacks: list[ProfileCallback] = []
 
@@ -127,12 +128,21 @@ def run_script(path: str, argv: list[str], out_json: str, trace_steps: tuple[int
         callbacks.append(ProfileCallback(batch_size=batch, trace_steps=trace_steps))
         return callbacks[-1]
 
+    def make_loop(strategy: Any, batch: int | None) -> LoopSteps:
+        callbacks.append(LoopSteps(strategy, batch_size=batch, trace_steps=trace_steps))
+        return callbacks[-1]  # type: ignore[return-value]
+
     undo = _hook_fits(make)
+    undo_loops = watch_loop_steps(make_loop)
     status = 1
     try:
         status = run_as_main(path, argv)
     finally:
         undo()
+        undo_loops()
+        for callback in callbacks:
+            if isinstance(callback, LoopSteps):
+                callback.on_train_end()  # a trace window the loop did not reach the end of
         import tensorflow as tf
 
         gpus = len(tf.config.list_physical_devices("GPU"))
@@ -140,7 +150,10 @@ def run_script(path: str, argv: list[str], out_json: str, trace_steps: tuple[int
             "status": status,
             "device_kind": "GPU" if gpus else "CPU",
             "physical_devices": gpus or len(os.sched_getaffinity(0)),
-            "fits": [c.summary() for c in callbacks],
+            "fits": [
+                {**c.summary(), "kind": "loop" if isinstance(c, LoopSteps) else "fit"}
+                for c in callbacks
+            ],
         }
         with open(out_json, "w") as handle:
             json.dump(result, handle)
@@ -204,16 +217,21 @@ def script_report(data: dict[str, Any], path: str, reference: dict[str, Any] | N
         raise ProfileError(
             explain(
                 "The script ran no measurable training step (neither keras.Model.fit nor "
-                "tfscale.fit was called, or they ran fewer steps than the warm-up).",
+                "tfscale.fit was called, no tf.function called strategy.run, or they ran "
+                "fewer steps than the warm-up).",
                 received=f"{path} (exit status {status})",
-                allowed="a script that calls model.fit or tfscale.fit for more than 2 steps",
-                fix="run it for more steps, or use tfscale.ProfileCallback in your own loop.",
+                allowed="a script that calls model.fit or tfscale.fit, or a tf.function around "
+                "strategy.run (a custom loop's step), for more than 2 steps",
+                fix="run it for more steps; in a custom loop, call strategy.run inside a "
+                "tf.function (see docs/profiling.md).",
             )
         )
     main_point = _main(fits)
     notes = [
         "Profiled script: step time from on_train_batch_begin to on_train_batch_end of "
-        "each fit step (tfscale.fit: its train function's own fetch and step seconds); "
+        "each fit step (tfscale.fit: its train function's own fetch and step seconds; a "
+        "custom loop: each call of its tf.function around strategy.run, the time between "
+        "calls as input wait); "
         "input / compute / exposed communication from a TensorFlow profiler trace of a "
         "window of steps (trace method), overlaps removed by a sweep.",
         "Advice that needs a sweep (fewer replicas, batch-size cost model) is computed by "
