@@ -104,6 +104,14 @@ def register(subparsers: Any) -> None:
         metavar="S",
         help="seconds between SIGTERM and SIGKILL when stopping workers",
     )
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="time every worker's training steps (as tfscale profile does) and write each "
+        "worker's part into DIR (a shared folder on a cluster); tfscale profile --merge DIR "
+        "then reports per worker and names the straggler",
+    )
     slurm = parser.add_argument_group("Slurm")
     slurm.add_argument(
         "--slurm",
@@ -238,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
                     fix="use --ps locally or in a TFJob (--k8s --ps P).",
                 )
             )
-        return _slurm(args, script)
+        return _slurm(args, _profiled(args, script))
     if script:
         check_script_path(script[0])
     if not script:
@@ -250,7 +258,17 @@ def run(args: argparse.Namespace) -> int:
                 fix="name the script after the options.",
             )
         )
-    return _local(args, script)
+    return _local(args, _profiled(args, script))
+
+
+def _profiled(args: argparse.Namespace, script: tuple[str, ...]) -> tuple[str, ...]:
+    """With ``--profile DIR``: each worker runs the script under ``tfscale profile``'s
+    timing and writes its part into DIR (``tfscale profile --merge DIR`` reports)."""
+    if not getattr(args, "profile", None):
+        return script
+    from tfscale.profiling.script import profiled_command
+
+    return profiled_command(script, args.profile)
 
 
 def _local(args: argparse.Namespace, script: tuple[str, ...]) -> int:

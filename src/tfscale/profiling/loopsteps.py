@@ -31,6 +31,7 @@ from typing import Any
 
 from tfscale.profiling.callback import ProfileCallback
 from tfscale.profiling.steptime import Breakdown
+from tfscale.profiling.timeline import STEP_MARKER
 
 __all__ = ["LoopSteps", "global_batch", "watch_loop_steps"]
 
@@ -39,8 +40,8 @@ class LoopSteps(ProfileCallback):
     """:class:`ProfileCallback`'s measurement for the steps of one custom-loop step function.
 
     Each step is the gap since the previous step ended (input wait: the loop fetching its
-    batch) plus the call. Where a trace window was captured, its shares split the call into
-    compute and exposed communication; the gap stays input.
+    batch) plus the call. Where a trace window was captured, its shares split the whole step
+    (its marker opens when the previous step ends, so it holds the fetch).
 
     Args:
         strategy: The strategy whose ``run`` the step function calls.
@@ -62,28 +63,53 @@ class LoopSteps(ProfileCallback):
         """Replicas of the strategy the step function runs on."""
         return int(getattr(self.strategy, "num_replicas_in_sync", 1) or 1)
 
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        if self._trace_context is not None:  # opened at the previous step's end
+            self._begin = time.perf_counter()
+            return
+        super().on_train_batch_begin(batch, logs)
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        super().on_train_batch_end(batch, logs)
+        if self._tracing:
+            # The next step's marker opens now, so that the trace sees its fetch too (under
+            # MultiWorkerMirroredStrategy the fetch holds an all-reduce across workers).
+            import tensorflow as tf
+
+            self._trace_context = tf.profiler.experimental.Trace(
+                STEP_MARKER, step_num=self._step, _r=1
+            )
+            self._trace_context.__enter__()
+
+    def on_train_end(self, logs: Any = None) -> None:
+        if self._trace_context is not None:
+            self._trace_context.__exit__(None, None, None)
+            self._trace_context = None
+        super().on_train_end(logs)
+
+    @property
+    def steps_seen(self) -> int:
+        """Steps so far, warm-up included."""
+        return self._step
+
+    def first_call(self, begin: float) -> None:
+        """Counts the call that found the step function (begun at ``begin``), warm-up."""
+        self._begin, self._last_end = begin, None
+        self.on_train_batch_end(0)
+
     def _timing(self, end: float) -> tuple[float, float] | None:
         gap = self._begin - self._last_end if self._last_end is not None else 0.0
         return gap, end - self._begin
 
     def breakdown(self) -> Breakdown:
-        """Input = the median gap between steps; the call's time split by the trace's
-        shares (wall-clock without a trace: the call counts as compute)."""
+        """Wall-clock: input = the median gap between steps, the call counts as compute.
+        With a trace: its shares of the whole step (each step's marker spans its fetch and
+        its call), as for ``fit``."""
+        if self.trace_shares:
+            return super().breakdown()
         step = statistics.median(self.step_s) if self.step_s else 0.0
         fetch = min(statistics.median(self.fetch_s), step) if self.fetch_s else 0.0
-        call = step - fetch
-        examples = self.batch_size or 0
-        share = self.trace_shares
-        if not share:
-            return Breakdown(step, fetch, call, 0.0, examples, method="wall-clock")
-        return Breakdown(
-            step_s=step,
-            input_s=fetch + call * share.get("input", 0.0),
-            compute_s=call * (share.get("compute", 0.0) + share.get("other", 0.0)),
-            communication_s=call * share.get("communication", 0.0),
-            examples_per_step=examples,
-            method="trace",
-        )
+        return Breakdown(step, fetch, step - fetch, 0.0, self.batch_size or 0, "wall-clock")
 
 
 def global_batch(strategy: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
@@ -150,7 +176,7 @@ def watch_loop_steps(
             return original(function, *args, **kwargs)  # nested, or traced inside another
         timer = steps.get(function)
         if timer is not None:
-            timer.on_train_batch_begin(timer._step)
+            timer.on_train_batch_begin(timer.steps_seen)
         frame: list[Any] = [function, None]
         calls.stack.append(frame)
         begin = time.perf_counter()
@@ -159,12 +185,11 @@ def watch_loop_steps(
         finally:
             calls.stack.pop()
             if timer is not None:
-                timer.on_train_batch_end(timer._step)
+                timer.on_train_batch_end(timer.steps_seen)
             elif frame[1] is not None:  # its first trace ran strategy.run: a step function
                 timer = make(frame[1], global_batch(frame[1], args, kwargs))
                 steps[function] = timer
-                timer._begin, timer._last_end = begin, None
-                timer.on_train_batch_end(0)  # the first step (tracing) is warm-up
+                timer.first_call(begin)  # the first step (tracing) is warm-up
 
     function_class.__call__ = call
 

@@ -20,7 +20,20 @@ from tfscale.internals import dataset_batch_size
 from tfscale.script_runner import run_as_main, split_cpu_when_alone
 from tfscale.strategy_hooks import watch_fits
 
-__all__ = ["batch_size_of", "main", "run_script", "script_report"]
+__all__ = [
+    "WORKER_FILE",
+    "batch_size_of",
+    "main",
+    "merge_workers",
+    "profiled_command",
+    "read_workers",
+    "run_script",
+    "script_report",
+    "worker_output",
+]
+
+#: The part of a multi-worker profile each worker writes into the profile folder.
+WORKER_FILE = "worker-{index}.json"
 
 
 #: Set in the environment of the reference run: the script on one replica.
@@ -294,10 +307,124 @@ def script_report(data: dict[str, Any], path: str, reference: dict[str, Any] | N
     )
 
 
+def profiled_command(
+    script: tuple[str, ...], directory: str, window: tuple[int, int] = (5, 10)
+) -> tuple[str, ...]:
+    """A worker's command line (after the interpreter) that runs ``script`` under this
+    module, writing its part into ``directory`` (``tfscale profile -n``, ``tfscale launch
+    --profile``)."""
+    folder = os.path.join(os.path.abspath(directory), "")
+    return ("-m", __name__, folder, str(window[0]), str(window[1]), *script)
+
+
+def worker_output(out: str) -> str:
+    """Where this process writes its timings: ``out`` itself, or, where ``out`` is a folder
+    (ends with ``/``, as ``tfscale profile -n`` and ``tfscale launch --profile`` pass it),
+    ``out/worker-<index>.json`` with this worker's index in its cluster (0 alone)."""
+    if not out.endswith(os.sep):
+        return out
+    from tfscale.cluster import cluster_from_env
+
+    cluster = cluster_from_env()
+    index = cluster.task_index if cluster is not None else 0
+    os.makedirs(out, exist_ok=True)
+    return os.path.join(out, WORKER_FILE.format(index=index))
+
+
+def read_workers(directory: str) -> dict[int, dict[str, Any]]:
+    """The parts the workers of a profiled job wrote into ``directory``, by worker index.
+
+    Raises:
+        ProfileError: None there.
+    """
+    import glob
+    import re
+
+    from tfscale.errors import ProfileError, explain
+
+    parts: dict[int, dict[str, Any]] = {}
+    for path in sorted(glob.glob(os.path.join(directory, "worker-*.json"))):
+        match = re.fullmatch(r"worker-(\d+)\.json", os.path.basename(path))
+        if match:
+            with open(path) as handle:
+                parts[int(match.group(1))] = json.load(handle)
+    if not parts:
+        raise ProfileError(
+            explain(
+                "No worker wrote its part of the profile into this folder.",
+                received=directory,
+                allowed="a folder with worker-<index>.json files, written by the workers of "
+                "tfscale launch --profile DIR",
+                fix="tfscale launch --profile DIR -n 2 train.py, then tfscale profile --merge DIR",
+            )
+        )
+    return parts
+
+
+def _worker_step(index: int, data: dict[str, Any]) -> Any:
+    from tfscale.profiling.stragglers import WorkerStep
+
+    summary = max(
+        (f for f in data.get("fits", []) if f["steps_measured"]),
+        key=lambda f: f["steps_measured"],
+        default=None,
+    )
+    if summary is None:
+        return None
+    return WorkerStep(
+        index,
+        summary["median_step_s"],
+        summary["input_s"],
+        summary["compute_s"],
+        summary["communication_s"],
+        summary["method"],
+    )
+
+
+def merge_workers(parts: dict[int, dict[str, Any]], path: str) -> Any:
+    """One report of a multi-worker job from each worker's part: the chief's (lowest index)
+    scaling row and advice, a row per worker (step, input, compute, the wait for the others
+    in the collective) and the straggler, if one worker holds the others back, with its
+    cause and advice first (:mod:`tfscale.profiling.stragglers`).
+
+    Raises:
+        ProfileError: No worker measured a step.
+    """
+    import dataclasses
+
+    from tfscale.profiling.stragglers import judge
+
+    chief = min(parts)
+    report = script_report(parts[chief], path)
+    steps = [s for s in (_worker_step(i, d) for i, d in sorted(parts.items())) if s is not None]
+    table, straggler = judge(steps)
+    advice = [straggler.advice, *report.advice] if straggler else report.advice
+    missing = sorted(set(parts) - {s.worker for s in steps})
+    notes = [
+        *report.notes,
+        f"{len(parts)} workers profiled; the scaling row and the advice other than the "
+        f"straggler's are worker {chief}'s. Each worker's wait for the others is the time it "
+        "spent in the collective beyond the least any worker spent there (trace: exposed "
+        "communication; wall-clock: the step call, assuming equal compute); docs/profiling.md.",
+    ]
+    if missing:
+        notes.append(f"Workers {missing} measured no step: they are left out of the table.")
+    statuses = {i: d.get("status") for i, d in parts.items()}
+    return dataclasses.replace(
+        report,
+        settings={**report.settings, "workers": len(parts), "worker_exit_status": statuses},
+        advice=advice,
+        notes=notes,
+        workers=table,
+        straggler=straggler,
+    )
+
+
 def main() -> None:
-    """``python -m tfscale.profiling.script OUT_JSON FIRST STOP SCRIPT [ARGS...]``."""
-    out_json, first, stop, path, *argv = sys.argv[1:]
-    sys.exit(run_script(path, argv, out_json, (int(first), int(stop))))
+    """``python -m tfscale.profiling.script OUT FIRST STOP SCRIPT [ARGS...]`` (``OUT``: a JSON
+    file, or a folder ending in ``/`` for a worker's part)."""
+    out, first, stop, path, *argv = sys.argv[1:]
+    sys.exit(run_script(path, argv, worker_output(out), (int(first), int(stop))))
 
 
 if __name__ == "__main__":  # pragma: no cover
