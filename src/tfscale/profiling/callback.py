@@ -197,4 +197,5 @@ class ProfileCallback(keras.callbacks.Callback):  # type: ignore[misc]
             "communication_s": b.communication_s,
             "trace_shares": self.trace_shares,
             "step_s": list(self.step_s),
+            "jit_compile": bool(getattr(self.model, "jit_compile", False) is True),
         }

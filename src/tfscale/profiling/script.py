@@ -121,6 +121,14 @@ def _hook_fits(make: Callable[[int | None], Any]) -> Callable[[], None]:
     return undo
 
 
+def keras_precision() -> str:
+    """The global Keras precision policy's name when the script ended (``float32``,
+    ``mixed_bfloat16``, ...)."""
+    import keras
+
+    return str(keras.mixed_precision.global_policy().name)
+
+
 def run_script(path: str, argv: list[str], out_json: str, trace_steps: tuple[int, int]) -> int:
     """Runs ``path`` as ``__main__`` with ``argv``, timing every ``keras.Model.fit`` and
     ``tfscale.fit`` call (on one replica when :data:`ONE_REPLICA_ENV` is set).
@@ -158,10 +166,18 @@ def run_script(path: str, argv: list[str], out_json: str, trace_steps: tuple[int
                 callback.on_train_end()  # a trace window the loop did not reach the end of
         import tensorflow as tf
 
+        from tfscale.cluster import cluster_from_env
+        from tfscale.profiling.facts import bf16_available
+
         gpus = len(tf.config.list_physical_devices("GPU"))
+        kind = "GPU" if gpus else "CPU"
         result = {
             "status": status,
-            "device_kind": "GPU" if gpus else "CPU",
+            "device_kind": kind,
+            # The facts the advice rules need beyond the steps, as bench gives them.
+            "bf16_available": bf16_available(kind),
+            "precision": keras_precision(),
+            "multi_worker": cluster_from_env() is not None,
             "physical_devices": gpus or len(os.sched_getaffinity(0)),
             "fits": [
                 {**c.summary(), "kind": "loop" if isinstance(c, LoopSteps) else "fit"}
@@ -221,7 +237,8 @@ def script_report(data: dict[str, Any], path: str, reference: dict[str, Any] | N
     import dataclasses
 
     from tfscale.errors import ProfileError, explain
-    from tfscale.profiling.advice import Facts, advise
+    from tfscale.profiling.advice import advise
+    from tfscale.profiling.facts import facts_for
     from tfscale.profiling.report import Report
 
     fits = _points(data)
@@ -285,13 +302,16 @@ def script_report(data: dict[str, Any], path: str, reference: dict[str, Any] | N
     if status != 0:
         notes.append(f"The script exited with status {status}; the steps before are reported.")
     device_kind, physical = data.get("device_kind", "CPU"), int(data.get("physical_devices", 1))
-    facts = Facts(
-        breakdown=main_point.breakdown,
-        replicas=main_point.replicas,
-        batch_per_replica=main_point.batch_per_replica,  # 0 when unknown: no batch advice
-        device_kind=device_kind,
-        physical_devices=physical,
-        throughput_by_replicas=throughput,
+    main_summary = max(fits, key=lambda fp: fp[0]["steps_measured"])[0]
+    basis = [p for p in points if p.replicas != main_point.replicas] + [main_point]
+    facts = facts_for(
+        Report(path, device_kind, physical, {}, basis),
+        jit_compile=bool(main_summary.get("jit_compile", False)),
+        # Between GPUs or worker processes the all-reduce's time follows its bytes (bench's
+        # rule, the same fact).
+        over_a_link=device_kind == "GPU" or bool(data.get("multi_worker")),
+        bf16=bool(data.get("bf16_available", False)),
+        precision=str(data.get("precision", "float32")),
     )
     settings: dict[str, Any] = {"fit_calls": len(fits), "exit_status": status}
     if reference is not None:
