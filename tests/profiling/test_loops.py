@@ -61,7 +61,8 @@ def test_a_loop_step_is_the_gap_as_input_and_the_call_or_the_trace_shares() -> N
     steps = LoopSteps(Strategy(), batch_size=64)
     steps.step_s, steps.fetch_s = [0.5, 0.5, 0.5], [0.1, 0.1, 0.1]
     plain = steps.breakdown()
-    assert (plain.method, plain.input_s, plain.communication_s) == ("wall-clock", 0.1, 0.0)
+    assert (plain.method, plain.communication_s) == ("wall-clock", 0.0)
+    assert plain.input_s == pytest.approx(0.1)
     assert plain.compute_s == pytest.approx(0.4)
     steps.trace_shares = {"input": 0.0, "compute": 0.5, "communication": 0.25, "other": 0.25}
     traced = steps.breakdown()  # the marker spans fetch and call: shares of the whole step

@@ -56,7 +56,7 @@ def test_a_balanced_job_or_one_worker_names_no_straggler() -> None:
 def _part(step: float, fetch: float, compute: float, comm: float) -> dict[str, object]:
     fit = {
         "steps_measured": 10,
-        "median_step_s": step,
+        "mean_step_s": step,
         "input_s": fetch,
         "compute_s": compute,
         "communication_s": comm,

@@ -22,7 +22,6 @@ step per call.
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 import weakref
@@ -30,7 +29,6 @@ from collections.abc import Callable
 from typing import Any
 
 from tfscale.profiling.callback import ProfileCallback
-from tfscale.profiling.steptime import Breakdown
 from tfscale.profiling.timeline import STEP_MARKER
 
 __all__ = ["LoopSteps", "global_batch", "watch_loop_steps"]
@@ -100,16 +98,6 @@ class LoopSteps(ProfileCallback):
     def _timing(self, end: float) -> tuple[float, float] | None:
         gap = self._begin - self._last_end if self._last_end is not None else 0.0
         return gap, end - self._begin
-
-    def breakdown(self) -> Breakdown:
-        """Wall-clock: input = the median gap between steps, the call counts as compute.
-        With a trace: its shares of the whole step (each step's marker spans its fetch and
-        its call), as for ``fit``."""
-        if self.trace_shares:
-            return super().breakdown()
-        step = statistics.median(self.step_s) if self.step_s else 0.0
-        fetch = min(statistics.median(self.fetch_s), step) if self.fetch_s else 0.0
-        return Breakdown(step, fetch, step - fetch, 0.0, self.batch_size or 0, "wall-clock")
 
 
 def global_batch(strategy: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:

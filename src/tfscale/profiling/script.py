@@ -201,7 +201,7 @@ def _points(data: dict[str, Any]) -> list[tuple[dict[str, Any], Any]]:
         batch = summary["batch_size"] or 0
         replicas = summary["replicas"]
         b = Breakdown(
-            summary["median_step_s"],
+            summary["mean_step_s"],
             summary["input_s"],
             summary["compute_s"],
             summary["communication_s"],
@@ -393,7 +393,7 @@ def _worker_step(index: int, data: dict[str, Any]) -> Any:
         return None
     return WorkerStep(
         index,
-        summary["median_step_s"],
+        summary["mean_step_s"],
         summary["input_s"],
         summary["compute_s"],
         summary["communication_s"],
