@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tfscale.errors import ProfileError, explain
     from tfscale.profiling.report import print_summary, write_report
-    from tfscale.profiling.script import ONE_REPLICA_ENV, script_report
+    from tfscale.profiling.script import ONE_REPLICA_ENV, TRACES_ENV, script_report
     from tfscale.script_runner import check_script, run_in_child
 
     first, stop = trace_window(args.trace_steps)
@@ -115,13 +115,15 @@ def run(args: argparse.Namespace) -> int:
     if args.workers is not None:
         return _profile_workers(args, script, (first, stop), console)
 
+    traces = {TRACES_ENV: os.path.abspath(os.path.join(args.out, "trace"))}
+
     def measure(scratch: str, name: str, env: dict[str, str]) -> tuple[dict[str, Any], int]:
         out_json = os.path.join(scratch, name)
         ran = run_in_child(
             "tfscale.profiling.script",
             [out_json, str(first), str(stop), script, *args.args],
             timeout=args.timeout,
-            env=env,
+            env={**traces, **env},
         )
         if ran.timed_out:
             raise ProfileError(
@@ -155,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
     print_summary(report, args.out)
     for note in report.notes[2:]:
         console.print(note)
+    _trace_line(args.out, console)
     return status
 
 
@@ -171,7 +174,12 @@ def _profile_workers(
     from tfscale.launch.local import log_path, run_local_job
     from tfscale.launch.plan import LocalJob
     from tfscale.profiling.report import print_summary, write_report
-    from tfscale.profiling.script import merge_workers, profiled_command, read_workers
+    from tfscale.profiling.script import (
+        TRACES_ENV,
+        merge_workers,
+        profiled_command,
+        read_workers,
+    )
     from tfscale.script_runner import child_environment
     from tfscale.virtual_devices import ENV_VAR
 
@@ -181,6 +189,7 @@ def _profile_workers(
         )
     env = child_environment()
     env.setdefault(ENV_VAR, "1")  # one replica per worker, as tfscale launch gives it
+    env[TRACES_ENV] = os.path.abspath(os.path.join(args.out, "trace"))
     gpus = visible_gpus(env)
     with tempfile.TemporaryDirectory(prefix="tfscale-profile-") as scratch:
         parts = os.path.join(scratch, "parts")
@@ -217,4 +226,19 @@ def _profile_workers(
         report = merge_workers(read_workers(parts), script)
     write_report(report, args.out)
     print_summary(report, args.out)
+    _trace_line(args.out, console)
     return int(done.exit_code)
+
+
+def _trace_line(out: str, console: Any) -> None:
+    """Where the trace windows are, as TensorBoard runs (one per process)."""
+    import os
+
+    traces = os.path.join(out, "trace")
+    if os.path.isdir(traces):
+        runs = ", ".join(sorted(os.listdir(traces)))
+        console.print(
+            f"Traces ({runs}): tensorboard --logdir {traces}, Profile tab "
+            "(pip install tensorboard-plugin-profile)",
+            markup=False,
+        )

@@ -45,6 +45,7 @@ class LoopSteps(ProfileCallback):
         strategy: The strategy whose ``run`` the step function calls.
         batch_size: Global batch of one step (None: unknown).
         trace_steps: As :class:`ProfileCallback`'s.
+        logdir: As :class:`ProfileCallback`'s (None: a temporary folder, not kept).
     """
 
     def __init__(
@@ -52,8 +53,9 @@ class LoopSteps(ProfileCallback):
         strategy: Any,
         batch_size: int | None = None,
         trace_steps: tuple[int, int] | None = None,
+        logdir: str | None = None,
     ) -> None:
-        super().__init__(batch_size=batch_size, trace_steps=trace_steps)
+        super().__init__(batch_size=batch_size, trace_steps=trace_steps, logdir=logdir)
         self.strategy = strategy
 
     @property

@@ -21,6 +21,7 @@ from tfscale.script_runner import run_as_main, split_cpu_when_alone
 from tfscale.strategy_hooks import watch_fits
 
 __all__ = [
+    "TRACES_ENV",
     "WORKER_FILE",
     "batch_size_of",
     "main",
@@ -29,6 +30,7 @@ __all__ = [
     "read_workers",
     "run_script",
     "script_report",
+    "trace_logdir",
     "worker_output",
 ]
 
@@ -38,6 +40,29 @@ WORKER_FILE = "worker-{index}.json"
 
 #: Set in the environment of the reference run: the script on one replica.
 ONE_REPLICA_ENV = "TFSCALE_PROFILE_ONE_REPLICA"
+#: Where the trace windows are kept, one TensorBoard run per process (``script``,
+#: ``one-replica``, ``worker-<index>``); unset: a worker's part folder's ``trace/``, else none.
+TRACES_ENV = "TFSCALE_PROFILE_TRACES"
+
+
+def trace_logdir(out_json: str) -> str | None:
+    """This process's TensorBoard run folder for its trace windows (see :data:`TRACES_ENV`):
+    ``tensorboard --logdir ROOT`` shows one run per worker in its profile plugin."""
+    import re
+
+    from tfscale.cluster import cluster_from_env
+
+    root = os.environ.get(TRACES_ENV)
+    if not root and re.fullmatch(r"worker-\d+\.json", os.path.basename(out_json)):
+        root = os.path.join(os.path.dirname(out_json), "trace")
+    if not root:
+        return None
+    cluster = cluster_from_env()
+    if cluster is not None:
+        name = f"worker-{cluster.task_index}"
+    else:
+        name = "one-replica" if os.environ.get(ONE_REPLICA_ENV) else "script"
+    return os.path.join(root, name)
 
 
 def batch_size_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
@@ -145,12 +170,16 @@ def run_script(path: str, argv: list[str], out_json: str, trace_steps: tuple[int
 
     callbacks: list[ProfileCallback] = []
 
+    logdir = trace_logdir(out_json)
+
     def make(batch: int | None) -> ProfileCallback:
-        callbacks.append(ProfileCallback(batch_size=batch, trace_steps=trace_steps))
+        callbacks.append(ProfileCallback(batch_size=batch, trace_steps=trace_steps, logdir=logdir))
         return callbacks[-1]
 
     def make_loop(strategy: Any, batch: int | None) -> LoopSteps:
-        callbacks.append(LoopSteps(strategy, batch_size=batch, trace_steps=trace_steps))
+        callbacks.append(
+            LoopSteps(strategy, batch_size=batch, trace_steps=trace_steps, logdir=logdir)
+        )
         return callbacks[-1]  # type: ignore[return-value]
 
     undo = _hook_fits(make)
