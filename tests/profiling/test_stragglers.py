@@ -137,6 +137,9 @@ sys.exit(main(["profile", "-n", "2", "--trace-steps", "3,9", "--timeout", "240",
     assert report["straggler"]["cause"] == "input-bound"
     assert report["advice"][0]["key"] == "straggler"
     assert "Straggler: worker 1, input-bound" in done.stdout
+    # The trace windows stay, one TensorBoard run per worker (its profile plugin reads them).
+    for worker in ("worker-0", "worker-1"):
+        assert list((tmp_path / "out" / "trace" / worker).glob("plugins/profile/*/*.xplane.pb"))
 
 
 def test_launch_profile_runs_each_worker_under_the_profiler_writing_its_part(
@@ -173,3 +176,16 @@ def test_html_report_of_several_workers_has_their_rows_and_timeline() -> None:
     parts = {0: _part(0.207, 0.001, 0.206, 0.0), 1: _part(0.207, 0.201, 0.006, 0.0)}
     page = to_html(merge_workers(parts, "train.py"))
     assert 'id="plot-workers"' in page and "waiting for others ms" in page
+
+
+def test_profile_merge_builds_one_report_from_the_workers_parts(tmp_path: Path) -> None:
+    from tfscale.cli.main import main
+
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    for index, part in ((0, _part(0.2, 0.001, 0.199, 0.0)), (1, _part(0.2, 0.2, 0.0, 0.0))):
+        (parts / f"worker-{index}.json").write_text(json.dumps(part))
+    assert main(["profile", "--merge", str(parts), "--out", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["straggler"]["worker"] == 1 and report["straggler"]["cause"] == "input-bound"
+    assert main(["profile", "--merge", str(tmp_path / "empty"), "--out", str(tmp_path)]) == 2

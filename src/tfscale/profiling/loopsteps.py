@@ -16,8 +16,9 @@ there: every eager call of a ``tf.function`` is watched (:func:`watch_loop_steps
 called ``strategy.run`` (``strategy_hooks.watch_strategies``) is a step function from then on;
 each of its calls is one step. The time between the end of one step and the start of the next
 is the loop fetching its next batch (``for batch in dist_dataset``): it counts as input
-wait. A function whose calls run several steps (a ``tf.range`` loop inside) counts as one
-step per call.
+wait. Keras's and tfscale's own train functions (``model.fit``, ``tfscale.fit``, which
+:class:`ProfileCallback` times) are left out. A function whose calls run several steps
+(a ``tf.range`` loop inside) counts as one step per call.
 """
 
 from __future__ import annotations
@@ -132,6 +133,16 @@ class _Calls(threading.local):
         self.stack: list[list[Any]] = []
 
 
+#: Modules whose tf.functions are ``fit``'s train functions (Keras's, tfscale.fit's), which
+#: ``fit``'s own callback times: not a custom loop's steps.
+_FIT_MODULES = ("keras.", "tfscale.")
+
+
+def _fit_owned(function: Any) -> bool:
+    module = getattr(getattr(function, "python_function", None), "__module__", "") or ""
+    return module.startswith(_FIT_MODULES)
+
+
 def watch_loop_steps(
     make: Callable[[Any, int | None], LoopSteps],
 ) -> Callable[[], None]:
@@ -162,8 +173,8 @@ def watch_loop_steps(
     watch_strategies(ran=ran)
 
     def call(function: Any, *args: Any, **kwargs: Any) -> Any:
-        if not active[0] or calls.stack or tf.inside_function():
-            return original(function, *args, **kwargs)  # nested, or traced inside another
+        if not active[0] or calls.stack or tf.inside_function() or _fit_owned(function):
+            return original(function, *args, **kwargs)  # nested, traced inside another, fit's
         timer = steps.get(function)
         if timer is not None:
             timer.on_train_batch_begin(timer.steps_seen)
