@@ -246,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
                     fix="use --ps locally or in a TFJob (--k8s --ps P).",
                 )
             )
-        return _slurm(args, _profiled(args, script))
+        return _slurm(args, script)
     if script:
         check_script_path(script[0])
     if not script:
@@ -345,6 +345,15 @@ def _slurm(args: argparse.Namespace, script: tuple[str, ...]) -> int:
     port = DEFAULT_SLURM_PORT if args.port is None else args.port
     if args.next_step:
         return _next_step(args)
+    if args.print_sbatch and getattr(args, "profile", None):
+        raise LaunchError(
+            explain(
+                "--profile applies to the workers srun starts, not to the sbatch script.",
+                received=f"--slurm --print-sbatch --profile {args.profile}",
+                allowed="--profile on the srun line inside the batch script",
+                fix=f"srun tfscale launch --slurm --profile {args.profile} train.py",
+            )
+        )
     if args.print_sbatch:
         print(
             sbatch_script(
@@ -370,7 +379,7 @@ def _slurm(args: argparse.Namespace, script: tuple[str, ...]) -> int:
                 fix="name the script after the options.",
             )
         )
-    exec_slurm_task(script, os.environ, port_base=port)
+    exec_slurm_task(_profiled(args, script), os.environ, port_base=port)
 
 
 def _next_step(args: argparse.Namespace) -> int:
