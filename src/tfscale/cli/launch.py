@@ -320,11 +320,38 @@ def _local(args: argparse.Namespace, script: tuple[str, ...]) -> int:
     if resized is not None and not verdicts:
         # The job's last line: which worker was dropped, why, how many finished.
         print(f"[tfscale launch] {resized}", file=sys.stderr, flush=True)
+    if getattr(args, "profile", None) and not verdicts:
+        _merge_profile(args.profile, script)
     if verdicts:
         # The job's last line: it never exits 0 when its workers did not train together.
         print(f"[tfscale launch] {final_line(verdicts)}", file=sys.stderr, flush=True)
         return result.exit_code or NOT_TOGETHER_STATUS
     return result.exit_code
+
+
+def _merge_profile(directory: str, script: tuple[str, ...]) -> None:
+    """A local job's workers all wrote their parts here: the launcher builds the report
+    (``tfscale profile --merge DIR`` does the same after a cluster job)."""
+    from tfscale.errors import ProfileError
+    from tfscale.profiling.report import write_report
+    from tfscale.profiling.script import merge_workers, read_workers
+
+    name = script[5] if len(script) > 5 and script[0] == "-m" else directory
+    try:
+        report = merge_workers(read_workers(directory), name)
+    except ProfileError as error:
+        print(f"[tfscale launch] no profile report: {error}", file=sys.stderr, flush=True)
+        return
+    write_report(report, directory)
+    straggler = report.straggler
+    verdict = (
+        f"straggler: worker {straggler.worker}, {straggler.cause}" if straggler else "no straggler"
+    )
+    print(
+        f"[tfscale launch] profile ({verdict}): {os.path.join(directory, 'report.html')}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _sigterm_as_interrupt() -> Any:
