@@ -239,6 +239,6 @@ def _trace_line(out: str, console: Any) -> None:
         runs = ", ".join(sorted(os.listdir(traces)))
         console.print(
             f"Traces ({runs}): tensorboard --logdir {traces}, Profile tab "
-            "(pip install tensorboard-plugin-profile)",
+            "(its profile plugin: pip install xprof)",
             markup=False,
         )
