@@ -171,6 +171,11 @@ def test_dataset_batch_size() -> None:
     assert internals.dataset_batch_size(tf.data.Dataset.range(3)) is None
 
 
+def test_tf_function_class() -> None:
+    assert isinstance(tf.function(lambda: 1), internals.tf_function_class())
+    assert callable(internals.tf_function_class().__call__)
+
+
 def test_xplane_pb2() -> None:
     space = internals.xplane_pb2().XSpace()
     plane = space.planes.add(name="/device:CPU:0")

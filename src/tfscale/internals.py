@@ -59,6 +59,7 @@ __all__ = [
     "strategy_supports_no_merge_call",
     "symbolic_build",
     "tensor_producer",
+    "tf_function_class",
     "train_validation_split",
     "uses_default_step",
     "variable_strategy",
@@ -675,6 +676,17 @@ def dataset_batch_size(dataset: Any) -> Any:
     other datasets. (``profiling/script.py``.)
     """
     return getattr(dataset, "_batch_size", None)
+
+
+def tf_function_class() -> Any:
+    """``polymorphic_function.Function``: the class of what ``tf.function`` returns, whose
+    ``__call__`` ``tfscale profile`` wraps to time a custom loop's steps (the calls of a
+    ``tf.function`` whose trace called ``strategy.run``); ``tf.function`` has no public
+    per-call hook. (``profiling/loopsteps.py``.)
+    """
+    from tensorflow.python.eager.polymorphic_function import polymorphic_function
+
+    return polymorphic_function.Function
 
 
 def xplane_pb2() -> Any:

@@ -155,3 +155,48 @@ def test_compression_is_advised_for_communication_over_a_link_only() -> None:
         _facts(0.0, 0.098, 0.002, jit_compile=True, over_a_link=True),  # 2%: below 3%
     ):
         assert "compress-gradients" not in {a.key for a in advise(quiet)}
+
+
+def _profiled_fit(replicas: int, step: float, compute: float, communication: float) -> dict:
+    return {
+        "steps_measured": 20,
+        "mean_step_s": step,
+        "input_s": step - compute - communication,
+        "compute_s": compute,
+        "communication_s": communication,
+        "method": "trace",
+        "batch_size": 128,
+        "replicas": replicas,
+        "trace_shares": {},
+    }
+
+
+def test_bench_and_profile_fire_the_same_rules_on_the_same_numbers() -> None:
+    # One set of facts (profiling/facts.py) for both commands: a GPU with bf16 units and a
+    # communication-heavy step fire bf16 and gradient compression from either command.
+    from tfscale.profiling.facts import facts_for
+    from tfscale.profiling.report import Report
+    from tfscale.profiling.script import script_report
+    from tfscale.profiling.steptime import Breakdown
+    from tfscale.profiling.sweep import SweepPoint
+
+    child = {"device_kind": "GPU", "physical_devices": 2, "bf16_available": True}
+    data = {**child, "status": 0, "fits": [_profiled_fit(2, 0.1, 0.051, 0.045)]}
+    reference = {**child, "status": 0, "fits": [_profiled_fit(1, 0.06, 0.056, 0.0)]}
+    profiled = script_report(data, "train.py", reference)
+
+    one = Breakdown(0.06, 0.004, 0.056, 0.0, 128, method="trace")
+    two = Breakdown(0.1, 0.004, 0.051, 0.045, 128, method="trace")
+    speedup = two.examples_per_s / one.examples_per_s
+    points = [
+        SweepPoint("weak", 1, 128, 1, one),
+        SweepPoint("weak", 2, 64, 1, two, speedup=speedup, efficiency=speedup / 2),
+    ]
+    facts = facts_for(Report("mlp", "GPU", 2, {}, points), over_a_link=True, bf16=True)
+    benched = advise(facts)
+    keys = [a.key for a in benched]
+    assert [a.key for a in profiled.advice] == keys
+    assert {"bf16", "compress-gradients"} <= set(keys)
+    assert [a.predicted_speedup for a in profiled.advice] == pytest.approx(
+        [a.predicted_speedup for a in benched]
+    )

@@ -104,6 +104,14 @@ def register(subparsers: Any) -> None:
         metavar="S",
         help="seconds between SIGTERM and SIGKILL when stopping workers",
     )
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="time every worker's training steps (as tfscale profile does) and write each "
+        "worker's part into DIR (a shared folder on a cluster); tfscale profile --merge DIR "
+        "then reports per worker and names the straggler",
+    )
     slurm = parser.add_argument_group("Slurm")
     slurm.add_argument(
         "--slurm",
@@ -250,7 +258,17 @@ def run(args: argparse.Namespace) -> int:
                 fix="name the script after the options.",
             )
         )
-    return _local(args, script)
+    return _local(args, _profiled(args, script))
+
+
+def _profiled(args: argparse.Namespace, script: tuple[str, ...]) -> tuple[str, ...]:
+    """With ``--profile DIR``: each worker runs the script under ``tfscale profile``'s
+    timing and writes its part into DIR (``tfscale profile --merge DIR`` reports)."""
+    if not getattr(args, "profile", None):
+        return script
+    from tfscale.profiling.script import profiled_command
+
+    return profiled_command(script, args.profile)
 
 
 def _local(args: argparse.Namespace, script: tuple[str, ...]) -> int:
@@ -302,11 +320,38 @@ def _local(args: argparse.Namespace, script: tuple[str, ...]) -> int:
     if resized is not None and not verdicts:
         # The job's last line: which worker was dropped, why, how many finished.
         print(f"[tfscale launch] {resized}", file=sys.stderr, flush=True)
+    if getattr(args, "profile", None) and not verdicts:
+        _merge_profile(args.profile, script)
     if verdicts:
         # The job's last line: it never exits 0 when its workers did not train together.
         print(f"[tfscale launch] {final_line(verdicts)}", file=sys.stderr, flush=True)
         return result.exit_code or NOT_TOGETHER_STATUS
     return result.exit_code
+
+
+def _merge_profile(directory: str, script: tuple[str, ...]) -> None:
+    """A local job's workers all wrote their parts here: the launcher builds the report
+    (``tfscale profile --merge DIR`` does the same after a cluster job)."""
+    from tfscale.errors import ProfileError
+    from tfscale.profiling.report import write_report
+    from tfscale.profiling.script import merge_workers, read_workers
+
+    name = script[5] if len(script) > 5 and script[0] == "-m" else directory
+    try:
+        report = merge_workers(read_workers(directory), name)
+    except ProfileError as error:
+        print(f"[tfscale launch] no profile report: {error}", file=sys.stderr, flush=True)
+        return
+    write_report(report, directory)
+    straggler = report.straggler
+    verdict = (
+        f"straggler: worker {straggler.worker}, {straggler.cause}" if straggler else "no straggler"
+    )
+    print(
+        f"[tfscale launch] profile ({verdict}): {os.path.join(directory, 'report.html')}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _sigterm_as_interrupt() -> Any:
@@ -327,6 +372,15 @@ def _slurm(args: argparse.Namespace, script: tuple[str, ...]) -> int:
     port = DEFAULT_SLURM_PORT if args.port is None else args.port
     if args.next_step:
         return _next_step(args)
+    if args.print_sbatch and getattr(args, "profile", None):
+        raise LaunchError(
+            explain(
+                "--profile applies to the workers srun starts, not to the sbatch script.",
+                received=f"--slurm --print-sbatch --profile {args.profile}",
+                allowed="--profile on the srun line inside the batch script",
+                fix=f"srun tfscale launch --slurm --profile {args.profile} train.py",
+            )
+        )
     if args.print_sbatch:
         print(
             sbatch_script(
@@ -352,7 +406,7 @@ def _slurm(args: argparse.Namespace, script: tuple[str, ...]) -> int:
                 fix="name the script after the options.",
             )
         )
-    exec_slurm_task(script, os.environ, port_base=port)
+    exec_slurm_task(_profiled(args, script), os.environ, port_base=port)
 
 
 def _next_step(args: argparse.Namespace) -> int:

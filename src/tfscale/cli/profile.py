@@ -38,7 +38,23 @@ def register(subparsers: Any) -> None:
         metavar="SECONDS",
         help="stop each run of the script after this long (default: no limit)",
     )
-    parser.add_argument("script", help="the Python training script")
+    parser.add_argument(
+        "-n",
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run the script as a local N-worker job (as tfscale launch -n N would) and "
+        "report per worker, naming the straggler",
+    )
+    parser.add_argument(
+        "--merge",
+        default=None,
+        metavar="DIR",
+        help="build the report from the parts the workers of tfscale launch --profile DIR "
+        "wrote (no script is run)",
+    )
+    parser.add_argument("script", nargs="?", help="the Python training script")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     parser.set_defaults(handler=run)
 
@@ -79,16 +95,27 @@ def run(args: argparse.Namespace) -> int:
 
     from tfscale.errors import ProfileError, explain
     from tfscale.profiling.report import print_summary, write_report
-    from tfscale.profiling.script import ONE_REPLICA_ENV, script_report
+    from tfscale.profiling.script import ONE_REPLICA_ENV, TRACES_ENV, script_report
     from tfscale.script_runner import check_script, run_in_child
 
     first, stop = trace_window(args.trace_steps)
+    if args.merge:
+        from tfscale.profiling.script import merge_workers, read_workers
+
+        report = merge_workers(read_workers(args.merge), args.script or args.merge)
+        write_report(report, args.out)
+        print_summary(report, args.out)
+        return 0
     if args.timeout is not None and args.timeout <= 0:
         raise ProfileError(
             explain("--timeout must be positive.", received=args.timeout, fix="--timeout 600")
         )
     script = check_script(args.script, command="tfscale profile", error=ProfileError)
     console = Console(stderr=True)
+    if args.workers is not None:
+        return _profile_workers(args, script, (first, stop), console)
+
+    traces = {TRACES_ENV: os.path.abspath(os.path.join(args.out, "trace"))}
 
     def measure(scratch: str, name: str, env: dict[str, str]) -> tuple[dict[str, Any], int]:
         out_json = os.path.join(scratch, name)
@@ -96,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
             "tfscale.profiling.script",
             [out_json, str(first), str(stop), script, *args.args],
             timeout=args.timeout,
-            env=env,
+            env={**traces, **env},
         )
         if ran.timed_out:
             raise ProfileError(
@@ -130,4 +157,88 @@ def run(args: argparse.Namespace) -> int:
     print_summary(report, args.out)
     for note in report.notes[2:]:
         console.print(note)
+    _trace_line(args.out, console)
     return status
+
+
+def _profile_workers(
+    args: argparse.Namespace, script: str, window: tuple[int, int], console: Any
+) -> int:
+    """``-n N``: the script as a local N-worker job of the launcher, each worker timed and
+    writing its part; one report with a row per worker and the straggler."""
+    import os
+    import tempfile
+
+    from tfscale.errors import ProfileError, explain
+    from tfscale.launch.gpus import visible_gpus
+    from tfscale.launch.local import log_path, run_local_job
+    from tfscale.launch.plan import LocalJob
+    from tfscale.profiling.report import print_summary, write_report
+    from tfscale.profiling.script import (
+        TRACES_ENV,
+        merge_workers,
+        profiled_command,
+        read_workers,
+    )
+    from tfscale.script_runner import child_environment
+    from tfscale.virtual_devices import ENV_VAR
+
+    if args.workers < 2:
+        raise ProfileError(
+            explain("-n needs at least 2 workers.", received=args.workers, fix="-n 2")
+        )
+    env = child_environment()
+    env.setdefault(ENV_VAR, "1")  # one replica per worker, as tfscale launch gives it
+    env[TRACES_ENV] = os.path.abspath(os.path.join(args.out, "trace"))
+    gpus = visible_gpus(env)
+    with tempfile.TemporaryDirectory(prefix="tfscale-profile-") as scratch:
+        parts = os.path.join(scratch, "parts")
+        job = LocalJob(
+            script=profiled_command((script, *args.args), parts, window),
+            workers=args.workers,
+            # One GPU each where there are enough (a shared GPU would time contention).
+            gpus_per_worker=None if len(gpus) >= args.workers else 0,
+        )
+        with console.status(f"profiling {script} as {args.workers} workers"):
+            done = run_local_job(
+                job,
+                timeout_s=args.timeout,
+                base_env=env,
+                output_dir=scratch,
+                log=lambda line: None,
+            )
+        if done.exit_code != 0 and not os.path.isdir(parts):
+            failure = done.failures[-1] if done.failures else None
+            label = failure.label if failure else "worker 0"
+            try:
+                with open(log_path(scratch, label), errors="replace") as handle:
+                    tail = handle.read()[-2000:]
+            except OSError:
+                tail = "(no output)"
+            raise ProfileError(
+                explain(
+                    f"The {args.workers}-worker job failed before any worker wrote its timing "
+                    f"(exit status {done.exit_code}).",
+                    received=f"{label}'s output ends with:\n{tail}",
+                    fix=f"run it as a job first: tfscale launch -n {args.workers} {script}",
+                )
+            )
+        report = merge_workers(read_workers(parts), script)
+    write_report(report, args.out)
+    print_summary(report, args.out)
+    _trace_line(args.out, console)
+    return int(done.exit_code)
+
+
+def _trace_line(out: str, console: Any) -> None:
+    """Where the trace windows are, as TensorBoard runs (one per process)."""
+    import os
+
+    traces = os.path.join(out, "trace")
+    if os.path.isdir(traces):
+        runs = ", ".join(sorted(os.listdir(traces)))
+        console.print(
+            f"Traces ({runs}): tensorboard --logdir {traces}, Profile tab "
+            "(its profile plugin: pip install xprof)",
+            markup=False,
+        )

@@ -15,9 +15,10 @@ from typing import Any, NoReturn
 
 from tfscale.errors import ProfileError, explain
 from tfscale.profiling import metrics
-from tfscale.profiling.advice import Advice, Facts, advise, fit_batch_cost
+from tfscale.profiling.advice import Advice, Facts, advise
 from tfscale.profiling.agree import agree_points
 from tfscale.profiling.collectives import DEFAULT_SIZES, benchmark_allreduce
+from tfscale.profiling.facts import bf16_available, facts_for
 from tfscale.profiling.harness import MeasuredStep, Workload, resolve_workload, strategy_for
 from tfscale.profiling.report import Report, write_report
 from tfscale.profiling.steptime import robust_means, time_interleaved
@@ -28,7 +29,7 @@ from tfscale.profiling.sweep import (
     run_sweep,
 )
 
-__all__ = ["bf16_available", "measure_as_worker", "profile", "verify_advice"]
+__all__ = ["bf16_available", "facts_for", "measure_as_worker", "profile", "verify_advice"]
 
 
 def profile(
@@ -466,68 +467,6 @@ def _gradient_sizes(workload: Workload) -> list[int]:
     import numpy as np
 
     return [int(np.prod(v.shape)) * 4 for v in workload.build().trainable_variables]
-
-
-def facts_for(report: Report, *, jit_compile: bool = False, over_a_link: bool = False) -> Facts:
-    """The facts advice judges, from a report's measurements (``over_a_link``: see
-    :class:`Facts`)."""
-    point = report.advised_point()
-    by_replicas = {
-        p.replicas: p.examples_per_s
-        for p in report.points
-        if p.mode == point.mode and p.accumulation == point.accumulation
-    }
-    compute_by_replicas = {
-        p.replicas: p.breakdown.compute_s
-        for p in report.points
-        if p.batch_per_replica == point.batch_per_replica and p.accumulation == point.accumulation
-    }
-    local = point.breakdown.step_s - point.breakdown.communication_s
-    examples = point.batch_per_replica * point.accumulation
-    costs = {examples: local}
-    if "local_s_at_2x_batch" in point.breakdown.extra:
-        costs[2 * examples] = point.breakdown.extra["local_s_at_2x_batch"]
-    accumulation_cost = None
-    extra = point.breakdown.extra
-    if "local_s_at_2x_accumulation" in extra:
-        # Slope per micro-batch from 1x (fused) to 2x (accumulating): it also carries the
-        # accumulators' fixed cost, so the prediction errs on the cautious side.
-        k = point.accumulation
-        two = extra["local_s_at_2x_accumulation"]
-        slope = max((two - local) / k, 0.0)
-        accumulation_cost = (max(two - slope * 2 * k, 0.0), slope)
-    return Facts(
-        breakdown=point.breakdown,
-        replicas=point.replicas,
-        batch_per_replica=point.batch_per_replica,
-        accumulation=point.accumulation,
-        device_kind=report.device_kind,
-        physical_devices=report.physical_devices,
-        throughput_by_replicas=by_replicas,
-        compute_by_replicas=compute_by_replicas,
-        batch_cost=fit_batch_cost(costs),
-        accumulation_cost=accumulation_cost,
-        bf16_available=bf16_available(report.device_kind),
-        jit_compile=jit_compile,
-        over_a_link=over_a_link,
-    )
-
-
-def bf16_available(kind: str) -> bool:
-    """Fast bfloat16 matrix units: a GPU of compute capability >= 8.0, or a CPU with AMX."""
-    if kind == "GPU":
-        import tensorflow as tf
-
-        for gpu in tf.config.list_physical_devices("GPU"):
-            capability = tf.config.experimental.get_device_details(gpu).get("compute_capability")
-            if capability and capability[0] >= 8:
-                return True
-        return False
-    try:
-        with open("/proc/cpuinfo") as handle:
-            return "amx_bf16" in handle.read()
-    except OSError:
-        return False
 
 
 def verify_advice(

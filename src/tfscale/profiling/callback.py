@@ -19,7 +19,7 @@ from typing import Any
 import keras
 
 from tfscale.profiling.metrics import shares
-from tfscale.profiling.steptime import Breakdown
+from tfscale.profiling.steptime import Breakdown, StepTimes, breakdown
 from tfscale.profiling.timeline import STEP_MARKER, find_xplane, read_xplane, trace_breakdown
 
 __all__ = ["EpochClock", "ProfileCallback"]
@@ -103,17 +103,25 @@ class ProfileCallback(keras.callbacks.Callback):  # type: ignore[misc]
             self._trace_context.__exit__(None, None, None)
             self._trace_context = None
         if self._step >= self.warmup:
-            timings = getattr(self.model.train_function, "timings", None)
-            if timings:  # tfscale.fit timed the call: fetch apart from the steps
-                timing = timings.pop()
-                self.fetch_s.append(timing.fetch_seconds)
-                self.step_s.append(timing.fetch_seconds + timing.step_seconds)
+            timing = self._timing(end)
+            if timing is not None:  # the fetch timed apart from the step
+                self.fetch_s.append(timing[0])
+                self.step_s.append(timing[0] + timing[1])
             else:
                 self.step_s.append(end - self._begin)
         self._last_end = end
         self._step += 1
         if self._tracing and self.trace_steps and self._step >= self.trace_steps[1]:
             self._stop_trace()
+
+    def _timing(self, end: float) -> tuple[float, float] | None:
+        """``(seconds fetching, seconds stepping)`` of the step that just ended, where the
+        fetch was timed apart (``tfscale.fit``'s train function), else None."""
+        timings = getattr(getattr(self.model, "train_function", None), "timings", None)
+        if timings:
+            timing = timings.pop()
+            return timing.fetch_seconds, timing.step_seconds
+        return None
 
     def on_train_end(self, logs: Any = None) -> None:
         if self._tracing:
@@ -147,16 +155,25 @@ class ProfileCallback(keras.callbacks.Callback):  # type: ignore[misc]
         strategy = getattr(self.model, "distribute_strategy", None)
         return int(getattr(strategy, "num_replicas_in_sync", 1) or 1)
 
+    def step_times(self) -> StepTimes:
+        """The measured steps as :class:`StepTimes` (the fetch apart where it was timed,
+        else 0), the record ``tfscale bench`` measures too."""
+        fetch = self.fetch_s if len(self.fetch_s) == len(self.step_s) else [0.0] * len(self.step_s)
+        execution = tuple(s - f for s, f in zip(self.step_s, fetch, strict=True))
+        return StepTimes(tuple(fetch), execution, self.batch_size or 0)
+
     def breakdown(self) -> Breakdown:
-        """The step breakdown: from the trace where one was captured, else from timings.
+        """The step breakdown, with ``tfscale bench``'s statistics (:func:`steptime.breakdown`:
+        means over the fastest 90% of steps): split by the trace's shares where one was
+        captured, else by the timings.
 
         Under ``tfscale.fit`` the input wait is the train function's fetch time (wall-clock);
         under ``model.fit`` without a trace the whole step counts as compute (input and
         communication cannot be separated from outside Keras's compiled step), and
         ``method`` says so.
         """
-        step = statistics.median(self.step_s) if self.step_s else 0.0
-        examples = self.batch_size or 0
+        wall = breakdown(self.step_times())
+        step, examples = wall.step_s, wall.examples_per_step
         if self.trace_shares:
             share = self.trace_shares
             return Breakdown(
@@ -167,17 +184,15 @@ class ProfileCallback(keras.callbacks.Callback):  # type: ignore[misc]
                 examples_per_step=examples,
                 method="trace",
             )
-        if self.fetch_s:
-            fetch = min(statistics.median(self.fetch_s), step)
-            return Breakdown(step, fetch, step - fetch, 0.0, examples, method="wall-clock")
-        return Breakdown(step, 0.0, step, 0.0, examples, method="step-time")
+        method = "wall-clock" if self.fetch_s else "step-time"
+        return Breakdown(step, wall.input_s, wall.compute_s, 0.0, examples, method=method)
 
     def summary(self) -> dict[str, Any]:
         """Per-step statistics as plain data (what ``tfscale profile`` writes into its report)."""
         b = self.breakdown()
         return {
             "steps_measured": len(self.step_s),
-            "median_step_s": b.step_s,
+            "mean_step_s": b.step_s,
             "mean_gap_between_steps_s": statistics.fmean(self.gap_s) if self.gap_s else 0.0,
             "steps_per_s": 1.0 / b.step_s if b.step_s > 0 else 0.0,
             "examples_per_s": b.examples_per_s if self.batch_size else None,
@@ -189,4 +204,5 @@ class ProfileCallback(keras.callbacks.Callback):  # type: ignore[misc]
             "communication_s": b.communication_s,
             "trace_shares": self.trace_shares,
             "step_s": list(self.step_s),
+            "jit_compile": bool(getattr(self.model, "jit_compile", False) is True),
         }

@@ -17,6 +17,7 @@ from typing import Any
 
 from tfscale.profiling.advice import Advice
 from tfscale.profiling.collectives import CollectiveResult
+from tfscale.profiling.stragglers import Straggler, WorkerRow
 from tfscale.profiling.sweep import SweepPoint
 
 __all__ = ["Report", "plots", "to_dict", "to_markdown", "write_report"]
@@ -38,6 +39,8 @@ class Report:
         advice: Recommendations, best first.
         verification: Predicted against measured effect of the applied advice, if verified.
         notes: Remarks on method and limits shown with the report.
+        workers: Per-worker steps where several workers ran (``tfscale profile -n``).
+        straggler: The worker that held the others back, if one did.
     """
 
     workload: str
@@ -49,6 +52,8 @@ class Report:
     advice: list[Advice] = field(default_factory=list)
     verification: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
+    workers: list[WorkerRow] = field(default_factory=list)
+    straggler: Straggler | None = None
 
     def advised_point(self) -> SweepPoint:
         """The configuration the advice is about: weak scaling at the most replicas."""
@@ -91,7 +96,50 @@ def to_dict(report: Report) -> dict[str, Any]:
         "advice": [asdict(a) for a in report.advice],
         "verification": report.verification,
         "notes": report.notes,
+        **(_workers_dict(report) if report.workers else {}),
     }
+
+
+def _workers_dict(report: Report) -> dict[str, Any]:
+    straggler = report.straggler
+    return {
+        "workers": [
+            {
+                **asdict(r),
+                **{f"{k[:-2]}_ms": v * 1e3 for k, v in asdict(r).items() if k != "worker"},
+            }
+            for r in report.workers
+        ],
+        "straggler": None
+        if straggler is None
+        else {"worker": straggler.worker, "cause": straggler.cause, "lead_s": straggler.lead_s},
+    }
+
+
+def _worker_lines(report: Report) -> list[str]:
+    """The per-worker table and the straggler line."""
+    lines = ["", "## Workers (own work and wait in the collective)", ""]
+    lines += _table(
+        ["worker", "step ms", "input ms", "compute ms", "comm. ms", "waiting for others ms"],
+        [
+            [str(r.worker)]
+            + [
+                f"{v * 1e3:.2f}"
+                for v in (r.step_s, r.input_s, r.compute_s, r.communication_s, r.wait_s)
+            ]
+            for r in report.workers
+        ],
+    )
+    s = report.straggler
+    lines.append("")
+    if s is None:
+        lines.append("Straggler: none (no worker's own work leads the others' enough).")
+    else:
+        lines.append(
+            f"Straggler: **worker {s.worker}, {s.cause}** ({s.lead_s * 1e3:.1f} ms per step "
+            "ahead of the others' own work)."
+        )
+    return lines
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -153,6 +201,8 @@ def to_markdown(report: Report) -> str:
     header = list(_SCALING_COLUMNS)
     header.insert(7, "step ms")
     lines += _table([*header, "trace: input / compute / comm. / other"], rows)
+    if report.workers:
+        lines += _worker_lines(report)
     if report.collectives:
         lines += ["", "## All-reduce bandwidth", ""]
         lines += _table(
@@ -250,7 +300,47 @@ def plots(report: Report) -> dict[str, bytes]:
     axis.legend(fontsize=8)
     images["breakdown"] = _png(figure)
     plt.close(figure)
+    if report.workers:
+        images["workers"] = _workers_plot(report)
     return images
+
+
+def _workers_plot(report: Report) -> bytes:
+    """One step of each worker on a shared time axis: input, compute, communication, then
+    the wait for the others (the steps end together in the collective)."""
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6.4, 1.2 + 0.5 * len(report.workers)))
+    colours = {**_COLOURS, "wait": "#bbbbbb"}
+    for index, row in enumerate(report.workers):
+        left = 0.0
+        parts = (
+            ("input", row.input_s),
+            ("compute", row.compute_s),
+            ("wait", row.wait_s),
+            ("communication", row.communication_s),
+        )
+        for part, seconds in parts:
+            axis.barh(
+                index,
+                seconds * 1e3,
+                left=left,
+                color=colours[part],
+                label=part if index == 0 else None,
+            )
+            left += seconds * 1e3
+    axis.set_yticks(range(len(report.workers)), [f"worker {r.worker}" for r in report.workers])
+    axis.invert_yaxis()
+    axis.set_xlabel("ms (median step)")
+    straggler = report.straggler
+    axis.set_title(
+        "One step per worker"
+        + (f": worker {straggler.worker} holds the others back" if straggler else "")
+    )
+    axis.legend(fontsize=8, loc="lower right")
+    data = _png(figure)
+    plt.close(figure)
+    return data
 
 
 def _first_k(report: Report) -> int:
@@ -351,6 +441,9 @@ def print_summary(report: Report, directory: str | None = None) -> None:
     for p in report.points:
         table.add_row(*_scaling_cells(p))
     console.print(table)
+    if report.workers:
+        for line in _worker_lines(report)[1:]:
+            console.print(line.replace("**", ""), markup=False)
     for i, advice in enumerate(report.advice[:3], 1):
         console.print(f"[bold]{i}. {advice.key}[/bold] ({advice.severity}): {advice.text}")
     if report.verification:

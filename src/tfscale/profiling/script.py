@@ -20,11 +20,49 @@ from tfscale.internals import dataset_batch_size
 from tfscale.script_runner import run_as_main, split_cpu_when_alone
 from tfscale.strategy_hooks import watch_fits
 
-__all__ = ["batch_size_of", "main", "run_script", "script_report"]
+__all__ = [
+    "TRACES_ENV",
+    "WORKER_FILE",
+    "batch_size_of",
+    "main",
+    "merge_workers",
+    "profiled_command",
+    "read_workers",
+    "run_script",
+    "script_report",
+    "trace_logdir",
+    "worker_output",
+]
+
+#: The part of a multi-worker profile each worker writes into the profile folder.
+WORKER_FILE = "worker-{index}.json"
 
 
 #: Set in the environment of the reference run: the script on one replica.
 ONE_REPLICA_ENV = "TFSCALE_PROFILE_ONE_REPLICA"
+#: Where the trace windows are kept, one TensorBoard run per process (``script``,
+#: ``one-replica``, ``worker-<index>``); unset: a worker's part folder's ``trace/``, else none.
+TRACES_ENV = "TFSCALE_PROFILE_TRACES"
+
+
+def trace_logdir(out_json: str) -> str | None:
+    """This process's TensorBoard run folder for its trace windows (see :data:`TRACES_ENV`):
+    ``tensorboard --logdir ROOT`` shows one run per worker in its profile plugin."""
+    import re
+
+    from tfscale.cluster import cluster_from_env
+
+    root = os.environ.get(TRACES_ENV)
+    if not root and re.fullmatch(r"worker-\d+\.json", os.path.basename(out_json)):
+        root = os.path.join(os.path.dirname(out_json), "trace")
+    if not root:
+        return None
+    cluster = cluster_from_env()
+    if cluster is not None:
+        name = f"worker-{cluster.task_index}"
+    else:
+        name = "one-replica" if os.environ.get(ONE_REPLICA_ENV) else "script"
+    return os.path.join(root, name)
 
 
 def batch_size_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
@@ -108,6 +146,14 @@ def _hook_fits(make: Callable[[int | None], Any]) -> Callable[[], None]:
     return undo
 
 
+def keras_precision() -> str:
+    """The global Keras precision policy's name when the script ended (``float32``,
+    ``mixed_bfloat16``, ...)."""
+    import keras
+
+    return str(keras.mixed_precision.global_policy().name)
+
+
 def run_script(path: str, argv: list[str], out_json: str, trace_steps: tuple[int, int]) -> int:
     """Runs ``path`` as ``__main__`` with ``argv``, timing every ``keras.Model.fit`` and
     ``tfscale.fit`` call (on one replica when :data:`ONE_REPLICA_ENV` is set).
@@ -120,27 +166,52 @@ def run_script(path: str, argv: list[str], out_json: str, trace_steps: tuple[int
     else:
         split_cpu_when_alone()
     from tfscale.profiling.callback import ProfileCallback
+    from tfscale.profiling.loopsteps import LoopSteps, watch_loop_steps
 
     callbacks: list[ProfileCallback] = []
 
+    logdir = trace_logdir(out_json)
+
     def make(batch: int | None) -> ProfileCallback:
-        callbacks.append(ProfileCallback(batch_size=batch, trace_steps=trace_steps))
+        callbacks.append(ProfileCallback(batch_size=batch, trace_steps=trace_steps, logdir=logdir))
         return callbacks[-1]
 
+    def make_loop(strategy: Any, batch: int | None) -> LoopSteps:
+        callbacks.append(
+            LoopSteps(strategy, batch_size=batch, trace_steps=trace_steps, logdir=logdir)
+        )
+        return callbacks[-1]  # type: ignore[return-value]
+
     undo = _hook_fits(make)
+    undo_loops = watch_loop_steps(make_loop)
     status = 1
     try:
         status = run_as_main(path, argv)
     finally:
         undo()
+        undo_loops()
+        for callback in callbacks:
+            if isinstance(callback, LoopSteps):
+                callback.on_train_end()  # a trace window the loop did not reach the end of
         import tensorflow as tf
 
+        from tfscale.cluster import cluster_from_env
+        from tfscale.profiling.facts import bf16_available
+
         gpus = len(tf.config.list_physical_devices("GPU"))
+        kind = "GPU" if gpus else "CPU"
         result = {
             "status": status,
-            "device_kind": "GPU" if gpus else "CPU",
+            "device_kind": kind,
+            # The facts the advice rules need beyond the steps, as bench gives them.
+            "bf16_available": bf16_available(kind),
+            "precision": keras_precision(),
+            "multi_worker": cluster_from_env() is not None,
             "physical_devices": gpus or len(os.sched_getaffinity(0)),
-            "fits": [c.summary() for c in callbacks],
+            "fits": [
+                {**c.summary(), "kind": "loop" if isinstance(c, LoopSteps) else "fit"}
+                for c in callbacks
+            ],
         }
         with open(out_json, "w") as handle:
             json.dump(result, handle)
@@ -159,7 +230,7 @@ def _points(data: dict[str, Any]) -> list[tuple[dict[str, Any], Any]]:
         batch = summary["batch_size"] or 0
         replicas = summary["replicas"]
         b = Breakdown(
-            summary["median_step_s"],
+            summary["mean_step_s"],
             summary["input_s"],
             summary["compute_s"],
             summary["communication_s"],
@@ -195,7 +266,8 @@ def script_report(data: dict[str, Any], path: str, reference: dict[str, Any] | N
     import dataclasses
 
     from tfscale.errors import ProfileError, explain
-    from tfscale.profiling.advice import Facts, advise
+    from tfscale.profiling.advice import advise
+    from tfscale.profiling.facts import facts_for
     from tfscale.profiling.report import Report
 
     fits = _points(data)
@@ -204,16 +276,21 @@ def script_report(data: dict[str, Any], path: str, reference: dict[str, Any] | N
         raise ProfileError(
             explain(
                 "The script ran no measurable training step (neither keras.Model.fit nor "
-                "tfscale.fit was called, or they ran fewer steps than the warm-up).",
+                "tfscale.fit was called, no tf.function called strategy.run, or they ran "
+                "fewer steps than the warm-up).",
                 received=f"{path} (exit status {status})",
-                allowed="a script that calls model.fit or tfscale.fit for more than 2 steps",
-                fix="run it for more steps, or use tfscale.ProfileCallback in your own loop.",
+                allowed="a script that calls model.fit or tfscale.fit, or a tf.function around "
+                "strategy.run (a custom loop's step), for more than 2 steps",
+                fix="run it for more steps; in a custom loop, call strategy.run inside a "
+                "tf.function (see docs/profiling.md).",
             )
         )
     main_point = _main(fits)
     notes = [
         "Profiled script: step time from on_train_batch_begin to on_train_batch_end of "
-        "each fit step (tfscale.fit: its train function's own fetch and step seconds); "
+        "each fit step (tfscale.fit: its train function's own fetch and step seconds; a "
+        "custom loop: each call of its tf.function around strategy.run, the time between "
+        "calls as input wait); "
         "input / compute / exposed communication from a TensorFlow profiler trace of a "
         "window of steps (trace method), overlaps removed by a sweep.",
         "Advice that needs a sweep (fewer replicas, batch-size cost model) is computed by "
@@ -254,13 +331,16 @@ def script_report(data: dict[str, Any], path: str, reference: dict[str, Any] | N
     if status != 0:
         notes.append(f"The script exited with status {status}; the steps before are reported.")
     device_kind, physical = data.get("device_kind", "CPU"), int(data.get("physical_devices", 1))
-    facts = Facts(
-        breakdown=main_point.breakdown,
-        replicas=main_point.replicas,
-        batch_per_replica=main_point.batch_per_replica,  # 0 when unknown: no batch advice
-        device_kind=device_kind,
-        physical_devices=physical,
-        throughput_by_replicas=throughput,
+    main_summary = max(fits, key=lambda fp: fp[0]["steps_measured"])[0]
+    basis = [p for p in points if p.replicas != main_point.replicas] + [main_point]
+    facts = facts_for(
+        Report(path, device_kind, physical, {}, basis),
+        jit_compile=bool(main_summary.get("jit_compile", False)),
+        # Between GPUs or worker processes the all-reduce's time follows its bytes (bench's
+        # rule, the same fact).
+        over_a_link=device_kind == "GPU" or bool(data.get("multi_worker")),
+        bf16=bool(data.get("bf16_available", False)),
+        precision=str(data.get("precision", "float32")),
     )
     settings: dict[str, Any] = {"fit_calls": len(fits), "exit_status": status}
     if reference is not None:
@@ -276,10 +356,124 @@ def script_report(data: dict[str, Any], path: str, reference: dict[str, Any] | N
     )
 
 
+def profiled_command(
+    script: tuple[str, ...], directory: str, window: tuple[int, int] = (5, 10)
+) -> tuple[str, ...]:
+    """A worker's command line (after the interpreter) that runs ``script`` under this
+    module, writing its part into ``directory`` (``tfscale profile -n``, ``tfscale launch
+    --profile``)."""
+    folder = os.path.join(os.path.abspath(directory), "")
+    return ("-m", __name__, folder, str(window[0]), str(window[1]), *script)
+
+
+def worker_output(out: str) -> str:
+    """Where this process writes its timings: ``out`` itself, or, where ``out`` is a folder
+    (ends with ``/``, as ``tfscale profile -n`` and ``tfscale launch --profile`` pass it),
+    ``out/worker-<index>.json`` with this worker's index in its cluster (0 alone)."""
+    if not out.endswith(os.sep):
+        return out
+    from tfscale.cluster import cluster_from_env
+
+    cluster = cluster_from_env()
+    index = cluster.task_index if cluster is not None else 0
+    os.makedirs(out, exist_ok=True)
+    return os.path.join(out, WORKER_FILE.format(index=index))
+
+
+def read_workers(directory: str) -> dict[int, dict[str, Any]]:
+    """The parts the workers of a profiled job wrote into ``directory``, by worker index.
+
+    Raises:
+        ProfileError: None there.
+    """
+    import glob
+    import re
+
+    from tfscale.errors import ProfileError, explain
+
+    parts: dict[int, dict[str, Any]] = {}
+    for path in sorted(glob.glob(os.path.join(directory, "worker-*.json"))):
+        match = re.fullmatch(r"worker-(\d+)\.json", os.path.basename(path))
+        if match:
+            with open(path) as handle:
+                parts[int(match.group(1))] = json.load(handle)
+    if not parts:
+        raise ProfileError(
+            explain(
+                "No worker wrote its part of the profile into this folder.",
+                received=directory,
+                allowed="a folder with worker-<index>.json files, written by the workers of "
+                "tfscale launch --profile DIR",
+                fix="tfscale launch --profile DIR -n 2 train.py, then tfscale profile --merge DIR",
+            )
+        )
+    return parts
+
+
+def _worker_step(index: int, data: dict[str, Any]) -> Any:
+    from tfscale.profiling.stragglers import WorkerStep
+
+    summary = max(
+        (f for f in data.get("fits", []) if f["steps_measured"]),
+        key=lambda f: f["steps_measured"],
+        default=None,
+    )
+    if summary is None:
+        return None
+    return WorkerStep(
+        index,
+        summary["mean_step_s"],
+        summary["input_s"],
+        summary["compute_s"],
+        summary["communication_s"],
+        summary["method"],
+    )
+
+
+def merge_workers(parts: dict[int, dict[str, Any]], path: str) -> Any:
+    """One report of a multi-worker job from each worker's part: the chief's (lowest index)
+    scaling row and advice, a row per worker (step, input, compute, the wait for the others
+    in the collective) and the straggler, if one worker holds the others back, with its
+    cause and advice first (:mod:`tfscale.profiling.stragglers`).
+
+    Raises:
+        ProfileError: No worker measured a step.
+    """
+    import dataclasses
+
+    from tfscale.profiling.stragglers import judge
+
+    chief = min(parts)
+    report = script_report(parts[chief], path)
+    steps = [s for s in (_worker_step(i, d) for i, d in sorted(parts.items())) if s is not None]
+    table, straggler = judge(steps)
+    advice = [straggler.advice, *report.advice] if straggler else report.advice
+    missing = sorted(set(parts) - {s.worker for s in steps})
+    notes = [
+        *report.notes,
+        f"{len(parts)} workers profiled; the scaling row and the advice other than the "
+        f"straggler's are worker {chief}'s. Each worker's wait for the others is the time it "
+        "spent in the collective beyond the least any worker spent there (trace: exposed "
+        "communication; wall-clock: the step call, assuming equal compute); docs/profiling.md.",
+    ]
+    if missing:
+        notes.append(f"Workers {missing} measured no step: they are left out of the table.")
+    statuses = {i: d.get("status") for i, d in parts.items()}
+    return dataclasses.replace(
+        report,
+        settings={**report.settings, "workers": len(parts), "worker_exit_status": statuses},
+        advice=advice,
+        notes=notes,
+        workers=table,
+        straggler=straggler,
+    )
+
+
 def main() -> None:
-    """``python -m tfscale.profiling.script OUT_JSON FIRST STOP SCRIPT [ARGS...]``."""
-    out_json, first, stop, path, *argv = sys.argv[1:]
-    sys.exit(run_script(path, argv, out_json, (int(first), int(stop))))
+    """``python -m tfscale.profiling.script OUT FIRST STOP SCRIPT [ARGS...]`` (``OUT``: a JSON
+    file, or a folder ending in ``/`` for a worker's part)."""
+    out, first, stop, path, *argv = sys.argv[1:]
+    sys.exit(run_script(path, argv, worker_output(out), (int(first), int(stop))))
 
 
 if __name__ == "__main__":  # pragma: no cover
