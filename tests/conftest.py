@@ -51,7 +51,8 @@ def _split_cpu() -> None:
 tf_import.on_import(_split_cpu)
 
 # A module whose source marks all its tests as needing TensorFlow, read without importing it.
-_MODULE_MARK = re.compile(r"^pytestmark\s*=.*\bpytest\.mark\.tf\b", re.MULTILINE)
+_MODULE_MARK = re.compile(r"^pytestmark\s*=\s*(\[[^\]]*\]|.*)$", re.MULTILINE)
+_TF_MARK = re.compile(r"\bpytest\.mark\.tf\b")
 
 
 def _deselects_tf(config: pytest.Config) -> bool:
@@ -64,7 +65,8 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     collecting the fast tier never imports TensorFlow."""
     if collection_path.suffix == ".py" and _deselects_tf(config):
         try:
-            if _MODULE_MARK.search(collection_path.read_text(encoding="utf-8")):
+            marks = _MODULE_MARK.search(collection_path.read_text(encoding="utf-8"))
+            if marks and _TF_MARK.search(marks.group(1)):
                 return True
         except OSError:
             return None
@@ -123,9 +125,9 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _needs_are_marked(item: pytest.Item) -> Iterator[None]:
-    """While a test and its fixtures (of every scope) are set up and run: refuses ``import tensorflow`` if
-    the test is not marked ``tf``, and starting a child process if it is not marked
-    ``multiprocess``, each with an error naming the marker. Teardown is not watched: a
+    """While a test and its fixtures (of every scope) are set up and run: refuses ``import
+    tensorflow`` if the test is not marked ``tf``, and starting a child process if it is not
+    marked ``multiprocess``, each with an error naming the marker. Teardown is not watched: a
     session fixture (the Slurm cluster's daemons) is torn down after whichever test ran last."""
     marks = {mark.name for mark in item.iter_markers()}
     saved = (subprocess.Popen._execute_child, os.fork)  # type: ignore[attr-defined]
