@@ -37,13 +37,13 @@ check: lint
 # The middle tier: everything but the slow tests (launched jobs, worker processes, the
 # parity suite, benchmarks' harness), on both cores.
 quick: venv
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow"
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not slow"
 
-# Two pytest processes, a test file each at a time (--dist loadfile: a file's tests share its
-# TensorFlow traces and fixtures): the suite is TensorFlow start-up and tracing, single-threaded
-# Python, so two processes use both cores of the development machine.
+# Two pytest processes (both cores), tests handed out one by one as a process frees up
+# (--dist loadgroup): TensorFlow starts once per process, and a module whose tests share a
+# module fixture (launched jobs, the Slurm cluster) says so with xdist_group and stays in one.
 unit: venv
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 test: lint unit
 

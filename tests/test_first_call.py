@@ -15,7 +15,7 @@ import pytest
 import tfscale
 from tfscale.testing import run_python
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 _MODEL = """
 import keras, numpy as np

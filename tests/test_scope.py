@@ -14,7 +14,11 @@ import tfscale
 from tfscale.scope import variable_origin
 from tfscale.testing import mirrored_on_cpus, relative_difference
 
-pytestmark = pytest.mark.tf
+# One worker runs this module (make test: --dist loadgroup), so its module fixture runs once.
+pytestmark = [
+    pytest.mark.tf,
+    pytest.mark.xdist_group("scope"),
+]
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,11 @@ import pytest
 from tfscale.chatter import is_chatter
 from tfscale.testing import mirrored_on_cpus, relative_difference
 
-pytestmark = pytest.mark.multiprocess
+# One worker runs this module (make test: --dist loadgroup), so its module fixture runs once.
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.xdist_group("launch-jobs"),
+]
 
 _ROOT = Path(__file__).resolve().parents[2]
 _DATA = Path(__file__).parent / "data"

@@ -25,7 +25,13 @@ from tfscale.testing import relative_difference
 
 from .slurm_cluster import SlurmCluster, free_port_bases, tfscale_bin
 
-pytestmark = [pytest.mark.slurm, pytest.mark.multiprocess, pytest.mark.slow]
+# One worker runs this module (make test: --dist loadgroup), so its module fixture runs once.
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.multiprocess,
+    pytest.mark.slow,
+    pytest.mark.xdist_group("slurm-cluster"),
+]
 
 _SRC = str(Path(__file__).resolve().parents[2] / "src")
 _DATA = Path(__file__).parent / "data"

@@ -20,7 +20,11 @@ import tfscale
 from tfscale.testing import run_python
 from tfscale.training.coordinator import HONOURED, refuse_unsupported
 
-pytestmark = pytest.mark.tf
+# One worker runs this module (make test: --dist loadgroup), so its module fixture runs once.
+pytestmark = [
+    pytest.mark.tf,
+    pytest.mark.xdist_group("ps-arguments"),
+]
 
 # Each fit argument -> a Python expression setting it away from its default (names: np,
 # keras, x, y, model, strategy, folder, Recorder). The baseline call sets model, x, y and

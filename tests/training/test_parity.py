@@ -12,7 +12,7 @@ from .helpers import strategy_for
 from .parity import CALLBACK_CASES, TRAINER_CASES
 from .parity.registry import Case, param, run_case
 
-pytestmark = pytest.mark.tf
+pytestmark = [pytest.mark.tf, pytest.mark.slow]
 
 
 @pytest.mark.parametrize("case", [param(case) for case in [*TRAINER_CASES, *CALLBACK_CASES]])

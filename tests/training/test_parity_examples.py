@@ -12,7 +12,7 @@ from .helpers import run_workers, strategy_for
 from .parity import KERAS_IO_CASES
 from .parity.registry import Case, param, run_case
 
-pytestmark = pytest.mark.tf
+pytestmark = [pytest.mark.tf, pytest.mark.slow]
 
 TESTS = Path(__file__).resolve().parents[1]
 
