@@ -54,7 +54,10 @@ test: lint unit
 # optimizer update, loss scaling, accumulation, XLA, recurrent and attention models). All of
 # those suites pass there (run by hand: docs/training.md); the newest versions run everything
 # in `make test`. tests/test_versions.py holds these pins to pyproject.toml's lower bounds.
-LOWEST_VENV := .venv-lowest
+# The virtualenv lives outside the clone, so that CI's fresh clones on one machine reuse it
+# (pip then only checks it, and installs tfscale itself from this clone); the tests import this
+# clone's src first.
+LOWEST_VENV ?= $(HOME)/.cache/tfscale/venv-lowest
 LOWEST := tensorflow-cpu==2.16.2 keras==3.10.0
 PARITY := tests/training/test_parity.py::test_tfscale_fit_matches_one_device_model_fit
 EXAMPLES := tests/training/test_parity_examples.py::test_tfscale_fit_matches_one_device_model_fit
@@ -69,15 +72,13 @@ LOWEST_TESTS := tests/test_internals.py tests/test_versions.py \
 	'$(EXAMPLES)[lstm_text_classification]' '$(EXAMPLES)[transformer_block]' \
 	'$(EXAMPLES)[loss_scale_optimizer_mixed_float16]' '$(EXAMPLES)[gradient_accumulation_adam]'
 
-$(LOWEST_VENV)/bin/.installed: pyproject.toml Makefile
+test-lowest:
 	test -x $(LOWEST_VENV)/bin/python || $(PYTHON) -m venv $(LOWEST_VENV)
-	$(LOWEST_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(LOWEST_VENV)/bin/python -m pip install --quiet -e ".[cpu,dev]" $(LOWEST)
-	touch $@
-
-test-lowest: $(LOWEST_VENV)/bin/.installed
-	$(LOWEST_VENV)/bin/python -c "import tensorflow as tf, keras; print('lowest:', tf.__version__, keras.__version__)"
-	$(LOWEST_VENV)/bin/python -m pytest -q -n 2 --dist loadfile $(LOWEST_TESTS)
+	$(LOWEST_VENV)/bin/python -m pip install --quiet ".[cpu,dev]" $(LOWEST)
+	PYTHONPATH=$(CURDIR)/src $(LOWEST_VENV)/bin/python -c \
+		"import tensorflow as tf, keras, tfscale; print('lowest:', tf.__version__, keras.__version__, tfscale.__file__)"
+	PYTHONPATH=$(CURDIR)/src $(LOWEST_VENV)/bin/python -m pytest -q -n 2 --dist loadgroup \
+		-p no:cacheprovider $(LOWEST_TESTS)
 
 bench: venv
 	$(BIN)/python benchmarks/fit_vs_keras.py
@@ -86,4 +87,4 @@ bench: venv
 	$(BIN)/python benchmarks/taskpool_overhead.py
 
 clean:
-	rm -rf $(VENV) $(LOWEST_VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache tfscale-bench
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache tfscale-bench

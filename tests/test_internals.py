@@ -341,6 +341,7 @@ _OVERRIDES_TESTED = {
     "apply": "test_apply_gradients_calls_the_instance_apply",
     "scale_loss": "test_train_step_calls_the_instance_scale_loss",
     "call": "test_layer_call_runs_the_instance_call",
+    "get_metrics_result": "test_fit_reads_epoch_logs_through_the_instance_get_metrics_result",
     # tfscale's own state, which no Keras code reads: only the __dict__ write is assumed.
     "_tfscale": "test_override_and_restore_replace_a_method_on_one_instance",
     "_tfscale_update": "test_override_and_restore_replace_a_method_on_one_instance",
@@ -454,6 +455,23 @@ def test_train_step_calls_the_instance_compute_loss_with_x() -> None:
         "compute_loss",
         "train_step does not call model.compute_loss with x first or as x=",
         "training.prepare.Prepared.compute_loss (0 on a replica without examples)",
+    )
+
+
+def test_fit_reads_epoch_logs_through_the_instance_get_metrics_result() -> None:
+    model, seen = _compiled_functional(metrics=["mae"]), []
+    original = model.get_metrics_result
+
+    def get_metrics_result() -> Any:
+        seen.append(1)
+        return {name: value * 0 + 7.0 for name, value in original().items()}
+
+    internals.override(model, "get_metrics_result", get_metrics_result)
+    history = model.fit(*_XY, batch_size=4, verbose=0)
+    assert seen and history.history["mae"] == [7.0], _broken(
+        "get_metrics_result",
+        "fit's epoch-end logs do not come from model.get_metrics_result()",
+        "training.prepare.Prepared.get_metrics_result (metric results read as tensors)",
     )
 
 
