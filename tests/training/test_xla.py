@@ -200,3 +200,29 @@ def test_a_train_step_applying_twice_is_refused_under_jit() -> None:
     ).batch(4)
     with pytest.raises(TrainingError, match="applies gradients 2 times"):
         tfscale.fit(model, data, strategy=strategy, jit_compile=True, verbose=0)
+
+
+def test_what_the_trial_cannot_see_is_refused_at_the_first_step_before_any_update() -> None:
+    class HostLoss(keras.Model):
+        def train_step(self, data: Any) -> Any:
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
+            host = tf.ensure_shape(tf.numpy_function(lambda a: a, [loss], tf.float32), [])
+            return {"loss": loss, "host": host}
+
+    strategy = strategy_for(2)
+    with strategy.scope():
+        inputs = keras.Input((4,))
+        model = HostLoss(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+    before = model.get_weights()
+    data = tf.data.Dataset.from_tensor_slices(
+        (np.ones((8, 4), "float32"), np.ones((8, 1), "float32"))
+    ).batch(4)
+    with pytest.raises(TrainingError, match="an op outside the model's layers"):
+        tfscale.fit(model, data, strategy=strategy, jit_compile=True, verbose=0)
+    assert relative_difference(model.get_weights(), before) == 0.0
+    assert int(model.optimizer.iterations.numpy()) == 0

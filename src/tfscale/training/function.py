@@ -266,10 +266,10 @@ class StepFunction:
         if not self.options.jit_compile:
             return self._call(iterator)
         if not self._xla_checked:
-            self._xla_checked = True
             spec = getattr(iterator, "element_spec", None)
             if spec is not None and self.kind == "train":
                 check_compilable(self.model, tf.nest.map_structure(_first_replica_spec, spec))
+            self._xla_checked = True  # refused: checked again on the next call
         try:
             return self._call(iterator)
         except (tf.errors.UnimplementedError, tf.errors.InvalidArgumentError) as error:
