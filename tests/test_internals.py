@@ -533,6 +533,25 @@ def test_metric_variables_are_per_replica_under_a_strategy() -> None:
     )
 
 
+def test_experimental_get_compiler_ir_lowers_from_tensor_specs() -> None:
+    # training.xla.check_compilable refuses a model XLA cannot compile before the first step
+    # by lowering its forward and backward pass from the input's specs, running nothing.
+    function = tf.function(lambda x: x * 2.0, jit_compile=True)
+    lower = getattr(function, "experimental_get_compiler_ir", None)
+    assert lower is not None, (
+        f"TensorFlow {tf.__version__} has no Function.experimental_get_compiler_ir: "
+        "training.xla.check_compilable needs another way to compile without running"
+    )
+    try:
+        text = lower(tf.TensorSpec([2, 3], tf.float32))(stage="hlo")
+    except Exception as error:
+        pytest.fail(
+            f"TensorFlow {tf.__version__}'s experimental_get_compiler_ir no longer lowers from "
+            f"a TensorSpec ({error!r}): training.xla.check_compilable needs another way"
+        )
+    assert "multiply" in text
+
+
 def test_every_instance_override_is_tested() -> None:
     overridden = set()
     for path in sorted(_SRC.rglob("*.py")):
