@@ -130,6 +130,10 @@ def _needs_are_marked(item: pytest.Item) -> Iterator[None]:
     marked ``multiprocess``, each with an error naming the marker. Teardown is not watched: a
     session fixture (the Slurm cluster's daemons) is torn down after whichever test ran last."""
     marks = {mark.name for mark in item.iter_markers()}
+    if "tf" in marks and "keras" not in sys.modules:
+        # TensorFlow's first import runs helper processes of its own (ctypes.util's library
+        # search calls ldconfig): done before the child-process gate, as a tf test may.
+        import keras  # noqa: F401
     saved = (subprocess.Popen._execute_child, os.fork)  # type: ignore[attr-defined]
     if "multiprocess" not in marks:
         subprocess.Popen._execute_child = _refuse_children(item.nodeid)  # type: ignore[attr-defined]

@@ -245,6 +245,21 @@ def test_epoch_iterator_dataset_and_per_replica_specs() -> None:
     assert internals.per_replica_component_specs(tf.TensorSpec([2])) is None
 
 
+def test_forget_learned_epoch_length_only_for_unknown_lengths() -> None:
+    from keras.src.backend.tensorflow.trainer import TFEpochIterator
+
+    strategy = mirrored_on_cpus(2)
+    data = tf.data.Dataset.from_tensor_slices(np.zeros((8, 3), "float32")).batch(4)
+    unknown = TFEpochIterator(x=data.filter(lambda _: True), distribute_strategy=strategy)
+    _require(unknown, "_num_batches", "forget_learned_epoch_length", "training.checkpoint")
+    unknown._num_batches = 1  # as Keras learns it from a short (resumed) epoch
+    internals.forget_learned_epoch_length(unknown)
+    assert unknown.num_batches is None
+    known = TFEpochIterator(x=data, distribute_strategy=strategy)
+    internals.forget_learned_epoch_length(known)
+    assert known.num_batches == 2
+
+
 def test_set_initial_epoch() -> None:
     model = _functional()
     _require(model, "_initial_epoch", "set_initial_epoch", "training.checkpoint")
@@ -287,6 +302,86 @@ def test_replica_count_scaling_off() -> None:
         with internals.replica_count_scaling_off():
             assert float(module.scale_loss_for_distribution(tf.constant(4.0))) == 4.0
         assert float(module.scale_loss_for_distribution(tf.constant(4.0))) == 2.0
+
+
+def test_watch_gradient_targets_sees_the_target_and_keeps_the_gradient() -> None:
+    _require(tf.GradientTape, "gradient", "watch_gradient_targets", "training.loop")
+    seen: list[Any] = []
+
+    def watcher(target: Any, sources: Any) -> None:
+        seen.append((target, sources))
+
+    internals.watch_gradient_targets(watcher)
+    undo = internals.watch_gradient_targets(watcher)  # installed and registered once
+    try:
+        variable = tf.Variable(3.0)
+        with tf.GradientTape() as tape:
+            loss = variable * variable
+        assert float(tape.gradient(loss, variable)) == 6.0
+    finally:
+        undo()
+    assert len(seen) == 1 and seen[0][0] is loss and seen[0][1] is variable
+    with tf.GradientTape() as tape:
+        loss = variable * variable
+    tape.gradient(loss, variable)
+    assert len(seen) == 1  # unregistered
+
+
+def test_watch_loss_reductions_records_keras_and_tf_nn_reductions() -> None:
+    module = internals.keras_loss_module()
+    _require(module, "scale_loss_for_distribution", "watch_loss_reductions", "training.loop")
+    _require(tf.nn, "compute_average_loss", "watch_loss_reductions", "training.loop")
+    _require(tf.nn, "scale_regularization_loss", "watch_loss_reductions", "training.loop")
+    seen: list[str] = []
+    undo = internals.watch_loss_reductions(lambda name, output, args, kwargs: seen.append(name))
+    strategy = mirrored_on_cpus(2)
+
+    def replica() -> Any:
+        mean = keras.losses.MeanSquaredError()(tf.zeros((2, 1)), tf.ones((2, 1)))
+        average = tf.nn.compute_average_loss(tf.ones(2))
+        return mean, average, tf.nn.scale_regularization_loss(tf.constant(2.0))
+
+    try:
+        mean, average, regularization = strategy.run(replica)
+    finally:
+        undo()
+    # What the originals return: a Keras mean divided by 2 replicas, 2 / (2 * 2), 2 / 2.
+    values = [strategy.experimental_local_results(v)[0] for v in (mean, average, regularization)]
+    assert [float(v) for v in values] == [0.5, 0.5, 1.0]
+    assert {"keras_scale", "compute_average_loss", "scale_regularization_loss"} <= set(seen)
+
+
+def test_autograph_origin_maps_generated_code_to_the_users_line() -> None:
+    import sys
+
+    seen: list[Any] = []
+
+    @tf.autograph.experimental.do_not_convert
+    def origin_of_caller() -> None:
+        # Called from the converted step (through AutoGraph's converted_call): the nearest
+        # frame of generated code is the step's.
+        frame = sys._getframe(1)
+        while frame is not None and "__autograph_generated_file" not in frame.f_code.co_filename:
+            frame = frame.f_back  # type: ignore[assignment]
+        seen.append(frame and internals.autograph_origin(frame.f_code, frame.f_lineno))
+
+    def step(x: Any) -> Any:
+        origin_of_caller()
+        return x * 2
+
+    tf.function(step)(tf.constant(1.0))
+    here = Path(__file__).resolve()
+    lines = here.read_text().splitlines()
+    line = next(i for i, t in enumerate(lines, 1) if t.strip() == "origin_of_caller()")
+    if seen[0] is None:
+        pytest.fail(
+            "AutoGraph's ag_source_map is gone or changed (TensorFlow "
+            f"{tf.__version__}): tfscale.internals.autograph_origin needs another way; "
+            "scope.creation_stack (doctor --script's sites in tf.function steps) depends on it."
+        )
+    filename, number, function = seen[0]
+    assert (Path(filename).resolve(), number, function) == (here, line, "step")
+    assert internals.autograph_origin(step.__code__, line) is None  # not generated code
 
 
 def test_the_switches_act_in_the_thread_that_entered_them_only() -> None:

@@ -49,6 +49,7 @@ _LAZY: dict[str, str] = {
     "Trainer": "tfscale.training",
     "fit": "tfscale.training",
     "prepare": "tfscale.training",
+    "prepare_loop": "tfscale.training",
     "PartitionPlan": "tfscale.parallel.partition",
     "plan_partition": "tfscale.parallel.partition",
     "place": "tfscale.parallel.placement",

@@ -79,6 +79,12 @@ class TrainingError(TfscaleError, ValueError):
     ``except ValueError`` written around ``model.fit`` keeps working around ``tfscale.fit``.
     """
 
+    # Raised inside a user's tf.function (a custom loop's refusal, training/loop.py),
+    # AutoGraph re-creates an error of the same type only when its __init__ is
+    # Exception.__init__ (tensorflow/python/autograph/pyct/error_utils.py,
+    # create_exception); ValueError's own would turn it into an AutoGraph StagingError.
+    __init__ = Exception.__init__
+
 
 class NonFiniteLossError(TrainingError):
     """The training loss became NaN or infinite."""

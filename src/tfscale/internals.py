@@ -24,6 +24,7 @@ from typing import Any
 
 __all__ = [
     "DEFAULT_STRATEGY_CLASS",
+    "autograph_origin",
     "backing_variable",
     "builtin_all_reduce_replaced",
     "compile_config_objects",
@@ -60,6 +61,8 @@ __all__ = [
     "train_validation_split",
     "uses_default_step",
     "variable_strategy",
+    "watch_gradient_targets",
+    "watch_loss_reductions",
     "xplane_pb2",
 ]
 
@@ -104,6 +107,18 @@ def symbolic_build(model: Any, data_batch: Any) -> None:
 def epoch_iterator_dataset(epoch_iterator: Any) -> Any:
     """The dataset behind Keras's ``TFEpochIterator`` (``_distributed_dataset``)."""
     return epoch_iterator._distributed_dataset
+
+
+def forget_learned_epoch_length(epoch_iterator: Any) -> None:
+    """Makes Keras's ``EpochIterator`` count the next epoch's batches again.
+
+    For an input of unknown length Keras learns an epoch's length from the first epoch that
+    ends (``_num_batches = _steps_seen`` in ``catch_stop_iteration``) and runs that many
+    steps in every later epoch. A resumed epoch (its first batches skipped) is shorter than
+    the others, so it must not be learned from. Inputs of known length are left alone.
+    """
+    if epoch_iterator.data_adapter.num_batches is None:
+        epoch_iterator._num_batches = None
 
 
 def set_initial_epoch(model: Any, epoch: int | None) -> None:
@@ -366,7 +381,152 @@ def replica_count_scaling_off() -> Iterator[None]:
         _PER_REPLICA_LOSSES.reset(token)
 
 
+_WATCH_LOCK = threading.Lock()
+_GRADIENT_WATCHERS: list[Callable[[Any, Any], None]] = []
+_REDUCTION_WATCHERS: list[Callable[[str, Any, Any, dict[str, Any]], None]] = []
+
+
+def watch_gradient_targets(callback: Callable[[Any, Any], None]) -> Callable[[], None]:
+    """Calls ``callback(target, sources)`` before every ``tf.GradientTape.gradient``.
+
+    Installed once (a wrapper of the method on ``tf.GradientTape``, kept for the process);
+    each callback is registered once. A custom training loop computes its loss in the user's
+    code: this is where tfscale sees which loss a replica differentiates
+    (``training/conventions.py``), so that the distributed update can weigh the gradient
+    as one device's. TensorFlow has no public hook on a tape's target. A callback that
+    raises stops the ``gradient`` call with its error. Returns a function that unregisters
+    the callback (the wrapper stays).
+    """
+    import tensorflow as tf
+
+    undo = _register(_GRADIENT_WATCHERS, callback)
+    with _WATCH_LOCK:
+        tape = tf.GradientTape
+        if getattr(tape.gradient, "_tfscale_watched", False):
+            return undo
+        original = tape.gradient
+
+        # Not converted by AutoGraph when a tf.function's code calls it: the watchers are
+        # tfscale's Python, run at trace time (AutoGraph mangled their arguments).
+        @tf.autograph.experimental.do_not_convert
+        def gradient(self: Any, target: Any, sources: Any, *args: Any, **kwargs: Any) -> Any:
+            for watcher in list(_GRADIENT_WATCHERS):
+                watcher(target, sources)
+            return original(self, target, sources, *args, **kwargs)
+
+        gradient._tfscale_watched = True  # type: ignore[attr-defined]
+        gradient.__doc__ = original.__doc__
+        tape.gradient = gradient  # type: ignore[method-assign]
+    return undo
+
+
+def _register(watchers: list[Any], callback: Any) -> Callable[[], None]:
+    with _WATCH_LOCK:
+        if callback not in watchers:
+            watchers.append(callback)
+
+    def undo() -> None:
+        with _WATCH_LOCK:
+            if callback in watchers:
+                watchers.remove(callback)
+
+    return undo
+
+
+def watch_loss_reductions(
+    callback: Callable[[str, Any, Any, dict[str, Any]], None],
+) -> Callable[[], None]:
+    """Calls ``callback(name, output, args, kwargs)`` after each loss reduction that scales
+    by the replica count or the global batch.
+
+    ``name`` is ``"keras_scale"`` (``keras.src.losses.loss.scale_loss_for_distribution``,
+    which a Keras ``Loss`` object's mean goes through: divided by the replica count),
+    ``"compute_average_loss"`` or ``"scale_regularization_loss"`` (``tf.nn``'s). Installed
+    once, as wrappers that return what the original returns; the module attributes are
+    replaced, which is how user code and Keras's ``reduce_values`` look them up.
+    (``replica_count_scaling_off`` saves and restores whichever function is installed.)
+    Returns a function that unregisters the callback (the wrappers stay).
+    """
+    import tensorflow as tf
+
+    undo = _register(_REDUCTION_WATCHERS, callback)
+    with _WATCH_LOCK:
+        module = keras_loss_module()
+        targets = [
+            (module, "scale_loss_for_distribution", "keras_scale"),
+            (tf.nn, "compute_average_loss", "compute_average_loss"),
+            (tf.nn, "scale_regularization_loss", "scale_regularization_loss"),
+        ]
+        for owner, attribute, name in targets:
+            original = getattr(owner, attribute)
+            if _watched(original):
+                continue
+            setattr(owner, attribute, _reduction_wrapper(original, name))
+    return undo
+
+
+def _watched(function: Any) -> bool:
+    """Whether a reduction wrapper is in the chain of wrappers ending at ``function``
+    (``replica_count_scaling_off``'s switch may sit above or below it)."""
+    seen = 0
+    while function is not None and seen < 16:
+        if getattr(function, "_tfscale_watched", False):
+            return True
+        function = getattr(function, _ORIGINAL, None) or getattr(function, "__wrapped__", None)
+        seen += 1
+    return False
+
+
+def _reduction_wrapper(original: Callable[..., Any], name: str) -> Callable[..., Any]:
+    import tensorflow as tf
+
+    @tf.autograph.experimental.do_not_convert  # as watch_gradient_targets' wrapper
+    def reduction(*args: Any, **kwargs: Any) -> Any:
+        output = original(*args, **kwargs)
+        for watcher in list(_REDUCTION_WATCHERS):
+            watcher(name, output, args, kwargs)
+        return output
+
+    reduction._tfscale_watched = True  # type: ignore[attr-defined]
+    reduction.__wrapped__ = original  # type: ignore[attr-defined]
+    if hasattr(original, _ORIGINAL):
+        # Above replica_count_scaling_off's switch: mark the chain as switched, so that the
+        # switch is not installed a second time above this wrapper.
+        setattr(reduction, _ORIGINAL, original)
+    reduction.__doc__ = original.__doc__
+    reduction.__name__ = getattr(original, "__name__", name)
+    return reduction
+
+
 # -- TensorFlow -----------------------------------------------------------------------------
+_AUTOGRAPH_FILE = "__autograph_generated_file"
+
+
+def autograph_origin(code: Any, line: int) -> tuple[str, int, str] | None:
+    """The user's ``(file, line, function)`` behind a line of AutoGraph-generated code.
+
+    A ``tf.function`` runs the user's Python converted by AutoGraph from a generated file
+    (``/tmp/__autograph_generated_file*.py``); the converted function carries
+    ``ag_source_map`` (``tensorflow/python/autograph/impl/api.py``), from generated
+    ``LineLocation(filename, lineno)`` to an ``OriginInfo`` whose ``loc`` is the user's.
+    Found through the function object that owns ``code``. None for other code or when
+    the map has no entry. (``scope.creation_stack``: where a step created a variable.)
+    """
+    generated: str = getattr(code, "co_filename", "")
+    if _AUTOGRAPH_FILE not in generated:
+        return None
+    import gc
+
+    for owner in gc.get_referrers(code):
+        source_map = getattr(owner, "ag_source_map", None)
+        if getattr(owner, "__code__", None) is not code or not source_map:
+            continue
+        for location, info in source_map.items():
+            if location.filename == generated and location.lineno == line:
+                return str(info.loc.filename), int(info.loc.lineno), str(info.function_name)
+    return None
+
+
 def strategy_supports_no_merge_call() -> bool:
     """``tf.__internal__.distribute.strategy_supports_no_merge_call``.
 

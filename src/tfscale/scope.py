@@ -140,7 +140,13 @@ def creation_stack(limit: int = 4) -> tuple[str, ...]:
     frame = sys._getframe(1)
     while frame is not None and len(found) < limit:
         code = frame.f_code
-        if not _is_library_file(code.co_filename):
+        # Code a tf.function converted with AutoGraph runs from a generated file; the
+        # user's own file and line come from its source map.
+        origin = internals.autograph_origin(code, frame.f_lineno)
+        if origin is not None:
+            filename, line, function = origin
+            found.append(f"{_show_path(filename)}:{line} in {function}")
+        elif not _is_library_file(code.co_filename):
             found.append(f"{_show_path(code.co_filename)}:{frame.f_lineno} in {code.co_name}")
         frame = frame.f_back  # type: ignore[assignment]
     return tuple(found)

@@ -28,6 +28,8 @@ from tfscale.testing import mirrored_on_cpus, relative_difference
 # One worker runs this module (make test: --dist loadgroup), so its module fixture runs once.
 pytestmark = [
     pytest.mark.multiprocess,
+    pytest.mark.tf,
+    pytest.mark.slow,
     pytest.mark.xdist_group("launch-jobs"),
 ]
 

@@ -6,11 +6,13 @@ from pathlib import Path
 from typing import Any
 
 import keras
+import numpy as np
 import pytest
 
 import tfscale
 from tfscale.testing import relative_difference
 from tfscale.training import CheckpointConfig
+from tfscale.training.checkpoint import saved_position
 
 from .helpers import DATA, strategy_for, tiny_model
 
@@ -187,3 +189,79 @@ def test_crash_in_the_last_epoch_resumes_with_that_epochs_batches(
         )
         <= 1e-5
     )
+
+
+def test_resume_mid_epoch_with_an_input_of_unknown_length(tmp_path: Path) -> None:
+    """A dataset whose length is unknown (a multi-worker dataset_fn's is hidden the same way):
+    Keras learns an epoch's length from the first epoch that ends, and the resumed epoch,
+    its first batches skipped, is short; the later epochs must still run every batch."""
+    import tensorflow as tf
+
+    x, y = DATA
+
+    def data() -> tf.data.Dataset:
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(32).filter(lambda *_: True)
+
+    def fit(folder: Path, callbacks: list[Any]) -> Any:
+        model = tiny_model(strategy_for(2), "adam", lr=0.01)
+        config = CheckpointConfig(str(folder), every_steps=3)
+        tfscale.fit(model, data(), epochs=EPOCHS, checkpoint_dir=config, callbacks=callbacks,
+                    strategy=strategy_for(2), verbose=0)  # fmt: skip
+        return model
+
+    uninterrupted = fit(tmp_path / "one", [])
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        fit(tmp_path / "two", [_Crash(epoch=1, batch=5)])  # update 14; checkpoint at 12
+    resumed = fit(tmp_path / "two", [])
+    steps = EPOCHS * len(x) // 32
+    assert int(uninterrupted.optimizer.iterations.numpy()) == steps
+    assert int(resumed.optimizer.iterations.numpy()) == steps
+    assert relative_difference(resumed.get_weights(), uninterrupted.get_weights()) <= 1e-5
+
+
+class _StateAtStart(keras.callbacks.Callback):
+    """What the model holds when training begins (after the checkpoint's restore)."""
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self.iterations = int(self.model.optimizer.iterations.numpy())
+        self.optimizer = [v.numpy().copy() for v in self.model.optimizer.variables]
+
+
+def test_checkpoint_of_4_replicas_resumes_on_2_at_the_exact_batch(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """An elastic job's resume on fewer workers (tests/launch/test_elastic_jobs.py runs the
+    processes): the position counts global batches, and the global batch is the same on any
+    number of replicas, so 2 replicas go on where 4 stopped: the data position and the
+    shuffle seed of the checkpoint, its optimizer state and ``optimizer.iterations``."""
+    x, y = DATA
+    config = CheckpointConfig(str(tmp_path), every_steps=3)  # saves at 3, 6, 8, 11, ...
+
+    def fit(replicas: int, callbacks: list[Any], folder: Any = config, seed: int = SEED) -> Any:
+        model = tiny_model(strategy_for(replicas), "adam", lr=0.01)
+        keras.utils.set_random_seed(seed)
+        tfscale.fit(model, x, y, batch_size=32, epochs=EPOCHS, checkpoint_dir=folder,
+                    callbacks=callbacks, strategy=strategy_for(replicas), verbose=0)  # fmt: skip
+        return model
+
+    uninterrupted = fit(4, [], str(tmp_path_factory.mktemp("four")))
+    crashed = tiny_model(strategy_for(4), "adam", lr=0.01)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        keras.utils.set_random_seed(SEED)
+        tfscale.fit(crashed, x, y, batch_size=32, epochs=EPOCHS, checkpoint_dir=config,
+                    callbacks=[_Crash(epoch=1, batch=2)],  # after update 11, just saved
+                    strategy=strategy_for(4), verbose=0)  # fmt: skip
+    saved = saved_position(str(tmp_path))
+    assert saved is not None and (saved.epoch, saved.batches) == (1, 3)
+    saved_optimizer = [v.numpy() for v in crashed.optimizer.variables]
+    assert int(crashed.optimizer.iterations.numpy()) == 11
+    start = _StateAtStart()
+    resumed = fit(2, [start], seed=SEED + 1)  # a new process would draw another data seed
+    assert start.iterations == 11
+    assert len(start.optimizer) == len(saved_optimizer)
+    for restored, expected in zip(start.optimizer, saved_optimizer, strict=True):
+        np.testing.assert_array_equal(restored, expected)
+    after = saved_position(str(tmp_path))
+    assert after is not None and after.data_seed == saved.data_seed  # the same epoch orders
+    assert int(resumed.optimizer.iterations.numpy()) == EPOCHS * len(x) // 32
+    assert relative_difference(resumed.get_weights(), uninterrupted.get_weights()) <= 1e-5

@@ -2,6 +2,7 @@
 
     tfscale launch -n 2 train.py --epochs 4            # 2 local workers (MultiWorkerMirrored)
     tfscale launch --ps 1 -n 2 train.py                # chief + 2 workers + 1 ps (ParameterServer)
+    tfscale launch -n 3 --min-workers 2 --max-restarts 2 train.py   # elastic: may drop a worker
     srun tfscale launch --slurm train.py               # one worker per Slurm task
     tfscale launch --slurm --print-sbatch --nodes 2 --gpus-per-node 4 train.py
     tfscale launch --k8s --workers 4 --image me/train:1 --gpus-per-worker 2 train.py
@@ -64,6 +65,15 @@ def register(subparsers: Any) -> None:
         help="start the whole job again up to R times after a failure",
     )
     local.add_argument(
+        "--min-workers",
+        type=int,
+        default=None,
+        metavar="M",
+        help="elastic: a worker that fails on every start until its restarts are used up is "
+        "dropped and the job restarts on the others from its checkpoint, down to M workers "
+        "(with --slurm: the nodes left in the allocation)",
+    )
+    local.add_argument(
         "--ps",
         type=int,
         default=0,
@@ -106,6 +116,9 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="with --slurm: print an sbatch script for this job and exit",
     )
+    # The elastic sbatch loop's decision between two steps (launch/slurm_elastic.py).
+    slurm.add_argument("--next-step", default=None, metavar="DIR", help=argparse.SUPPRESS)
+    slurm.add_argument("--step-attempt", type=int, default=None, help=argparse.SUPPRESS)
     slurm.add_argument("--nodes", type=int, default=2, help="sbatch --nodes (default 2)")
     slurm.add_argument(
         "--tasks-per-node", type=int, default=1, help="sbatch --ntasks-per-node (default 1)"
@@ -155,6 +168,40 @@ def check_options(args: argparse.Namespace) -> None:
         )
     if args.port is not None and not 1 <= args.port <= 65535:
         _refuse("--port is not a TCP port.", f"--port {args.port}", "1..65535", "--port 29500")
+    if args.min_workers is not None:
+        _check_min_workers(args)
+
+
+def _check_min_workers(args: argparse.Namespace) -> None:
+    m = args.min_workers
+    if args.ps or args.k8s:
+        other = f"--ps {args.ps}" if args.ps else "--k8s"
+        _refuse(
+            "--min-workers (elastic) drops MultiWorkerMirrored workers; a job with parameter "
+            "servers or a TFJob cannot be resized by tfscale.",
+            f"--min-workers {m} {other}",
+            "--min-workers with a local job (-n N) or --slurm",
+            f"drop --min-workers, or drop {other}.",
+        )
+    if args.slurm:
+        workers, option = args.nodes * args.tasks_per_node, "--nodes x --tasks-per-node"
+    else:
+        workers, option = (2 if args.workers is None else args.workers), "-n"
+    if not 1 <= m <= workers:
+        _refuse(
+            f"--min-workers is the fewest workers the job may finish on; it must be between 1 "
+            f"and the job's workers ({option}: {workers}).",
+            f"--min-workers {m} with {option} {workers}",
+            f"1 <= --min-workers <= {workers}",
+            f"--min-workers {max(1, min(m, workers - 1) if workers > 1 else 1)}",
+        )
+    if args.slurm and m % args.tasks_per_node:
+        _refuse(
+            "With --slurm, whole nodes are dropped, so --min-workers counts whole nodes' tasks.",
+            f"--min-workers {m} with --tasks-per-node {args.tasks_per_node}",
+            f"a multiple of --tasks-per-node ({args.tasks_per_node})",
+            f"--min-workers {(m // args.tasks_per_node + 1) * args.tasks_per_node}",
+        )
 
 
 def check_script_path(path: str) -> None:
@@ -207,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _local(args: argparse.Namespace, script: tuple[str, ...]) -> int:
+    from tfscale.launch.elastic import elastic_line, read_checkpoint_note
     from tfscale.launch.local import run_local_job
     from tfscale.launch.plan import LocalJob
     from tfscale.launch.together import (
@@ -236,11 +284,24 @@ def _local(args: argparse.Namespace, script: tuple[str, ...]) -> int:
                 grace_s=args.grace,
                 timeout_s=args.timeout,
                 base_env=env,
+                min_workers=args.min_workers,
             )
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
         verdicts = read_verdicts(reports)
+        checkpoint = read_checkpoint_note(reports)
+    resized = elastic_line(
+        workers=workers,
+        finished=result.workers if result.exit_code == 0 else None,
+        dropped=result.dropped,
+        below=result.below,
+        min_workers=args.min_workers or workers,
+        checkpoint=checkpoint,
+    )
+    if resized is not None and not verdicts:
+        # The job's last line: which worker was dropped, why, how many finished.
+        print(f"[tfscale launch] {resized}", file=sys.stderr, flush=True)
     if verdicts:
         # The job's last line: it never exits 0 when its workers did not train together.
         print(f"[tfscale launch] {final_line(verdicts)}", file=sys.stderr, flush=True)
@@ -264,6 +325,8 @@ def _slurm(args: argparse.Namespace, script: tuple[str, ...]) -> int:
     from tfscale.launch.slurm import DEFAULT_SLURM_PORT, exec_slurm_task, sbatch_script
 
     port = DEFAULT_SLURM_PORT if args.port is None else args.port
+    if args.next_step:
+        return _next_step(args)
     if args.print_sbatch:
         print(
             sbatch_script(
@@ -275,6 +338,7 @@ def _slurm(args: argparse.Namespace, script: tuple[str, ...]) -> int:
                 job_name=args.name,
                 port_base=port,
                 max_restarts=args.max_restarts,
+                min_workers=args.min_workers,
             ),
             end="",
         )
@@ -289,6 +353,26 @@ def _slurm(args: argparse.Namespace, script: tuple[str, ...]) -> int:
             )
         )
     exec_slurm_task(script, os.environ, port_base=port)
+
+
+def _next_step(args: argparse.Namespace) -> int:
+    from tfscale.launch.slurm_elastic import next_step
+    from tfscale.launch.together import REPORT_ENV
+
+    status, options, line = next_step(
+        args.next_step,
+        attempt=args.step_attempt,
+        max_restarts=args.max_restarts,
+        min_workers=args.min_workers or 1,
+        tasks_per_node=args.tasks_per_node,
+        report_dir=os.environ.get(REPORT_ENV),
+        env=os.environ,
+    )
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    if options:
+        print(options)
+    return status
 
 
 def _write_tfjob(args: argparse.Namespace, script: tuple[str, ...]) -> int:

@@ -16,6 +16,10 @@ findings behind:
 - ``repaired``: the variables ``tfscale.fix_scope`` replaced with a clone's, or
   ``tfscale.fit`` / ``prepare`` moved into the scope (:func:`tfscale.scope.watch_repairs`),
   by the ``id`` their ``variable`` events carry;
+- ``loop_loss``: each place a custom loop's ``tape.gradient`` runs in a replica of a
+  multi-replica strategy that tfscale does not train, with how its loss is scaled over
+  replicas (``training/conventions.py``); variable events also say whether the variable
+  was created inside a traced ``strategy.run`` (``in_step``: built lazily by a step);
 - ``fit``: each ``keras.Model.fit`` call over a Python generator or ``keras.utils.PyDataset``
   (training or validation data): the input's kind, the model's strategy and replicas, and
   whether tfscale copies its batches (see ``training/data.copied_batches``).
@@ -145,6 +149,57 @@ def _hook_fits(log: _EventLog) -> None:
     watch_fits(called)
 
 
+def _hook_loop_losses(log: _EventLog) -> None:
+    """Records, for each ``tape.gradient`` in a replica of a multi-replica strategy that
+    tfscale does not train (no ``prepare_loop``, not ``fit``'s own step), how its loss is
+    scaled over replicas (``training/conventions.py``, the classifier ``prepare_loop``
+    uses), so the parent can say whether Keras's sum of the replicas' gradients is one
+    device's update."""
+    import tensorflow as tf
+
+    from tfscale import internals
+    from tfscale.scope import creation_stack
+
+    seen: set[tuple[str, ...]] = set()
+
+    # tfscale.training is imported at the first gradient or reduction, not before the
+    # script runs: the script configures TensorFlow first, as it would without the doctor.
+    def on_gradient(target: Any, sources: Any) -> None:
+        try:
+            from tfscale.training import conventions
+            from tfscale.training.loop import prepared_sources
+            from tfscale.training.optimizer import step_in_progress
+
+            if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+                return
+            replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+            if replicas < 2 or step_in_progress() or prepared_sources(sources):
+                return
+            terms = conventions.classify(target)
+            conventions.forget_recorded()
+            stack = tuple(creation_stack())
+            if stack in seen:
+                return
+            seen.add(stack)
+            log.write(
+                "loop_loss",
+                stack=list(stack),
+                replicas=int(replicas),
+                kinds=[t.kind.name if t.kind else None for t in terms],
+                terms=[t.what for t in terms],
+            )
+        except Exception:  # never let the instrumentation break the user's step
+            return
+
+    def on_reduction(name: str, output: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        from tfscale.training import conventions
+
+        conventions.on_reduction(name, output, args, kwargs)
+
+    internals.watch_gradient_targets(on_gradient)
+    internals.watch_loss_reductions(on_reduction)
+
+
 def _has_device(value: Any) -> bool:
     try:
         return bool(getattr(value, "device", None) is not None)
@@ -159,6 +214,13 @@ def _variable_event(log: _EventLog) -> Callable[[Any, Any], None]:
 
     def on_create(variable: Any, origin: Any) -> None:
         strategy_id = id(tf.distribute.get_strategy()) if origin.strategy else None
+        # Created inside strategy.run (a replica context) while a tf.function was traced:
+        # a model or optimizer built lazily by the first replica step.
+        in_step = bool(
+            origin.strategy
+            and not tf.distribute.in_cross_replica_context()
+            and not tf.executing_eagerly()
+        )
         try:
             shape = [int(d) if d is not None else None for d in variable.shape]
         except (TypeError, ValueError):
@@ -176,6 +238,7 @@ def _variable_event(log: _EventLog) -> Callable[[Any, Any], None]:
             trainable=bool(getattr(variable, "trainable", False)),
             shape=shape,
             copy=bool(_COPY_NAME.search(origin.name)),
+            in_step=in_step,
         )
 
     return on_create
@@ -193,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         _configure_devices(log)
         _hook_strategies(log)
         _hook_fits(log)
+        _hook_loop_losses(log)
 
         from tfscale.scope import creation_stack, track_variable_creation, watch_repairs
 

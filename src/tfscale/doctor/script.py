@@ -8,7 +8,8 @@ This parent imports no TensorFlow: it reads the events, gathers them into one fr
 :class:`ScriptFindings` (:func:`summarize`, a pure function), and prints a table or JSON.
 
 Exit status: the script's own status when it failed, else 1 when variables were created
-outside the scope of a multi-replica strategy, else 0.
+outside the scope of a multi-replica strategy, a custom loop built its model or optimizer
+inside ``strategy.run``, or a custom loop's update is N times one device's, else 0.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ class ScriptFindings:
     problems: tuple[str, ...]
     stderr_tail: str
     data_problems: tuple[str, ...] = ()
+    loop_problems: tuple[str, ...] = ()
 
     @property
     def crashed(self) -> bool:
@@ -265,6 +267,55 @@ def _data_problems(events: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
     return tuple(problems.values())
 
 
+def _built_in_steps(events: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
+    """One sentence per place where a replica step created variables (pure): a model or an
+    optimizer built lazily inside ``strategy.run`` in a ``tf.function``."""
+    sites: dict[str, list[str]] = {}
+    for event in events:
+        if (
+            event.get("kind") != "variable"
+            or not event.get("in_step")
+            or int(event.get("replicas") or 1) < 2
+            or event.get("copy")
+        ):
+            continue
+        names = sites.setdefault(_site(event.get("stack") or ()), [])
+        names.append(str(event.get("name", "")).removesuffix(":0"))
+    problems = []
+    for site, names in sites.items():
+        shown = ", ".join(names[:_SHOWN_NAMES]) + (" ..." if len(names) > _SHOWN_NAMES else "")
+        problems.append(
+            f"{len(names)} variables ({shown}) were created inside strategy.run, by the "
+            f"replica step traced in a tf.function, at {site}: Keras builds a model on its "
+            "first call and an optimizer on its first apply_gradients. Created there, they "
+            "are initialized through a cond around the whole step, which fails under the "
+            "collective all-reduce (MultiWorkerMirroredStrategy; MirroredStrategy on CPUs): "
+            "\"You must feed a value for placeholder tensor 'cond/.../Placeholder_1'\"."
+        )
+    return tuple(problems)
+
+
+def _loop_losses(events: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
+    """One sentence per custom loop whose update is N times one device's (pure): its loss
+    is a per-replica mean and Keras's optimizer sums the replicas' gradients."""
+    problems = []
+    for event in events:
+        if event.get("kind") != "loop_loss":
+            continue
+        kinds = list(event.get("kinds") or ())
+        if not kinds or any(kind != "MEAN" for kind in kinds):
+            continue  # one device's (a vector, a Keras Loss, compute_average_loss) or unknown
+        replicas = int(event["replicas"])
+        problems.append(
+            f"The custom loop's tape.gradient at {_site(event.get('stack') or ())} "
+            f"differentiates {' + '.join(event.get('terms') or ())}, a mean over each "
+            f"replica's examples, and Keras's optimizer sums the {replicas} replicas' "
+            f"gradients: each update is {replicas} times one device's on the same global "
+            "batch (with SGD the weights move that much further), with no error."
+        )
+    return tuple(problems)
+
+
 def summarize(
     events: Sequence[Mapping[str, Any]],
     *,
@@ -304,12 +355,13 @@ def summarize(
         problems=_problems(strategies, groups),
         stderr_tail=stderr_tail,
         data_problems=_data_problems(events),
+        loop_problems=_built_in_steps(events) + _loop_losses(events),
     )
 
 
 def exit_status(findings: ScriptFindings) -> int:
     """The script's own status when it failed, else 1 with problems, else 0."""
-    found = findings.problems or findings.data_problems
+    found = findings.problems or findings.data_problems or findings.loop_problems
     if findings.crashed:
         status = int(findings.exit_status or 1)
         return 128 - status if status < 0 else status  # killed by a signal
@@ -323,6 +375,15 @@ _FIX = (
     "        model = build_model()\n"
     "        model.compile(...)\n"
     "or repair a built model with model = tfscale.fix_scope(model, strategy)."
+)
+_LOOP_FIX = (
+    "add one line after the model and its optimizer are created:\n"
+    "    tfscale.prepare_loop(model, optimizer)\n"
+    "which builds them in the strategy's scope and makes each update the one a single "
+    "device makes on the global batch; or build them in the scope yourself "
+    "(with strategy.scope(): model.build(input_shape); "
+    "optimizer.build(model.trainable_variables)) and compute the loss with "
+    "tf.nn.compute_average_loss(per_example_loss)."
 )
 _DATA_FIX = (
     "let tfscale copy each batch: model = tfscale.prepare(model) before model.fit, or "
@@ -410,12 +471,16 @@ def render(findings: ScriptFindings, console: Console) -> None:
         console.print(note)
     if findings.problems:
         console.print(f"Fix: {_FIX}", soft_wrap=True, highlight=False)
-    elif any(s.replicas > 1 for s in findings.strategies):
+    elif any(s.replicas > 1 for s in findings.strategies) and not findings.loop_problems:
         moved = sum(g.count for g in findings.variables if g.repaired_by)
         console.print(
             "[green]OK:[/green] every variable was created inside the strategy's scope"
             + (f" or moved into it before training ({moved} moved)." if moved else ".")
         )
+    for problem in findings.loop_problems:
+        console.print(f"[red]Problem:[/red] {problem}", soft_wrap=True, highlight=False)
+    if findings.loop_problems:
+        console.print(f"Fix: {_LOOP_FIX}", soft_wrap=True, highlight=False)
     for problem in findings.data_problems:
         console.print(f"[red]Problem:[/red] {problem}", soft_wrap=True, highlight=False)
     if findings.data_problems:
@@ -502,7 +567,7 @@ def run_script(
             stderr_tail=_tail(stderr_path),
         )
     if json_output:
-        ok = not findings.problems and not findings.data_problems
+        ok = not findings.problems and not findings.data_problems and not findings.loop_problems
         payload = {**asdict(findings), "crashed": findings.crashed, "ok": ok}
         print(json.dumps(payload, indent=2))
     else:

@@ -30,6 +30,7 @@ def run_local_job(
     base_env: Mapping[str, str] | None = None,
     output_dir: str | None = None,
     log: Callable[[str], None] | None = None,
+    min_workers: int | None = None,
 ) -> JobResult:
     """Runs ``job`` as processes on this machine under a :class:`Supervisor`.
 
@@ -44,6 +45,9 @@ def run_local_job(
         output_dir: If given, each task's output goes to ``output_dir/<label>.log``
             (``worker-0.log``) instead of ``[label]``-prefixed lines on stdout.
         log: Receives the supervisor's messages (default: stderr, ``[tfscale launch]``).
+        min_workers: Elastic: a worker slot that fails on every start until its restarts
+            are used up is dropped and the job restarts on the others, down to this many
+            (``launch/elastic.py``); None: never drop a worker.
 
     Returns:
         The job's result.
@@ -52,18 +56,19 @@ def run_local_job(
         LaunchError: Invalid counts, or a port of ``port_base``'s range is in use.
         KeyboardInterrupt: Ctrl-C; every task has been stopped.
     """
-    _check(job, max_restarts, grace_s, timeout_s)
+    _check(job, max_restarts, grace_s, timeout_s, min_workers)
     if port_base is not None:
         check_ports(port_base, job.num_tasks, job.host)  # fail before starting anything
     env = os.environ if base_env is None else base_env
     gpus = assign_gpus(visible_gpus(env), job.workers, job.gpus_per_worker)
 
-    def make_tasks(attempt: int) -> list[Task]:
+    def make_tasks(attempt: int, slots: tuple[int, ...]) -> list[Task]:
         if port_base is None:
             ports = free_ports(job.num_tasks, job.host)
         else:
             ports = check_ports(port_base, job.num_tasks, job.host)
-        return plan_tasks(job, ports, attempt, base_env=env, gpus=gpus)
+        elastic = slots if min_workers is not None else None
+        return plan_tasks(job, ports, attempt, base_env=env, gpus=gpus, slots=elastic)
 
     def spawn(task: Task) -> WorkerHandle:
         if output_dir is None:
@@ -73,7 +78,13 @@ def run_local_job(
 
     # A worker that would not train with the others (launch/worker.py) does the same again.
     supervisor = Supervisor(spawn, grace_s=grace_s, log=log, final_statuses=(NOT_TOGETHER_STATUS,))
-    return supervisor.run(make_tasks, max_restarts=max_restarts, timeout_s=timeout_s)
+    return supervisor.run_elastic(
+        make_tasks,
+        slots=tuple(range(job.workers)),
+        min_workers=min_workers,
+        max_restarts=max_restarts,
+        timeout_s=timeout_s,
+    )
 
 
 def log_path(output_dir: str, label: str) -> str:
@@ -81,7 +92,13 @@ def log_path(output_dir: str, label: str) -> str:
     return os.path.join(output_dir, label.replace(" ", "-") + ".log")
 
 
-def _check(job: LocalJob, max_restarts: int, grace_s: float, timeout_s: float | None) -> None:
+def _check(
+    job: LocalJob,
+    max_restarts: int,
+    grace_s: float,
+    timeout_s: float | None,
+    min_workers: int | None,
+) -> None:
     checks = (
         ("-n", job.workers, job.workers >= 1, "an integer >= 1"),
         ("--ps", job.ps, job.ps >= 0, "an integer >= 0"),
@@ -100,6 +117,12 @@ def _check(job: LocalJob, max_restarts: int, grace_s: float, timeout_s: float | 
         ),
         ("--grace", grace_s, grace_s >= 0, "seconds >= 0"),
         ("--timeout", timeout_s, timeout_s is None or timeout_s > 0, "seconds > 0"),
+        (
+            "--min-workers",
+            min_workers,
+            min_workers is None or (1 <= min_workers <= job.workers and not job.ps),
+            f"an integer from 1 to -n ({job.workers}), without --ps",
+        ),
     )
     for option, value, ok, allowed in checks:
         if not ok:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tfscale.cluster import DEVICE_KINDS_ENV, SOURCE_ENV, TFConfigSource, tf_config
 from tfscale.launch.supervisor import Task
@@ -64,6 +64,7 @@ def plan_tasks(
     attempt: int,
     base_env: Mapping[str, str] | None = None,
     gpus: Sequence[str | None] | None = None,
+    slots: Sequence[int] | None = None,
 ) -> list[Task]:
     """Builds the tasks of one attempt.
 
@@ -74,6 +75,9 @@ def plan_tasks(
         base_env: The environment the tasks inherit (``os.environ`` by default).
         gpus: ``CUDA_VISIBLE_DEVICES`` per worker from :func:`~tfscale.launch.gpus.assign_gpus`
             (None entries leave it alone); None: no GPU decisions.
+        slots: The worker slots this attempt runs, of an elastic job that may have dropped
+            some (``--min-workers``): ``worker {slot}`` keeps its label and GPUs, its
+            ``TF_CONFIG`` index is its position among them. None: every worker.
 
     Returns:
         One task per process, chief (if any) first.
@@ -87,15 +91,11 @@ def plan_tasks(
     base[ATTEMPT_ENV] = str(attempt)
     if job.devices_per_worker:
         base[_VIRTUAL_DEVICES_ENV] = str(job.devices_per_worker)
-    per_worker = list(gpus) if gpus is not None else [None] * job.workers
+    per_worker: list[str | None] = list(gpus) if gpus is not None else [None] * job.workers
+    if slots is not None:
+        return _elastic_tasks(job, ports, base, per_worker, slots, gpus is not None)
     if gpus is not None:
-        # What each worker trains on, for choose_strategy's collective choice (NCCL needs
-        # GPUs on every worker); TF_CONFIG cannot say it. One kind stands for all workers.
-        kinds = sorted({"GPU" if g else "CPU" for g in per_worker})
-        if len(kinds) == 1:
-            base[DEVICE_KINDS_ENV] = kinds[0]
-        elif not job.ps:
-            base[DEVICE_KINDS_ENV] = ",".join("GPU" if g else "CPU" for g in per_worker)
+        _set_device_kinds(base, per_worker, job.ps)
     no_gpu = "" if any(g is not None for g in per_worker) else None
     addresses = [f"{job.host}:{port}" for port in ports]
     # The script runs through the strict worker runner: a worker that would train alone
@@ -121,6 +121,39 @@ def plan_tasks(
         _task(f"ps {i}", server, base, 1 + job.workers + i, config("ps", i), False, no_gpu)
         for i in range(job.ps)
     ]
+    return tasks
+
+
+def _set_device_kinds(base: dict[str, str], per_worker: Sequence[str | None], ps: int = 0) -> None:
+    # What each worker trains on, for choose_strategy's collective choice (NCCL needs
+    # GPUs on every worker); TF_CONFIG cannot say it. One kind stands for all workers.
+    kinds = sorted({"GPU" if g else "CPU" for g in per_worker})
+    if len(kinds) == 1:
+        base[DEVICE_KINDS_ENV] = kinds[0]
+    elif not ps:
+        base[DEVICE_KINDS_ENV] = ",".join("GPU" if g else "CPU" for g in per_worker)
+
+
+def _elastic_tasks(
+    job: LocalJob,
+    ports: Sequence[int],
+    base: dict[str, str],
+    per_worker: list[str | None],
+    slots: Sequence[int],
+    gpu_decisions: bool,
+) -> list[Task]:
+    """The workers of an elastic MultiWorkerMirrored job on ``slots`` (see ``plan_tasks``)."""
+    if job.ps:
+        raise ValueError("an elastic job has no parameter servers")
+    if gpu_decisions:
+        _set_device_kinds(base, [per_worker[s] for s in slots])
+    addresses = [f"{job.host}:{port}" for port in ports[: len(slots)]]
+    script = (job.python, "-m", WORKER_MODULE, *job.script)
+    tasks = []
+    for index, slot in enumerate(slots):
+        config = tf_config(addresses, index)
+        task = _task(f"worker {slot}", script, base, index, config, True, per_worker[slot])
+        tasks.append(replace(task, slot=slot))
     return tasks
 
 

@@ -92,6 +92,7 @@ def sbatch_script(
     job_name: str = "tfscale",
     port_base: int = DEFAULT_SLURM_PORT,
     max_restarts: int = 0,
+    min_workers: int | None = None,
 ) -> str:
     """A ready-to-edit sbatch script that runs ``script`` as ``nodes * tasks_per_node`` workers.
 
@@ -105,7 +106,11 @@ def sbatch_script(
         job_name: Slurm ``--job-name``.
         port_base: First port on each node.
         max_restarts: How many times the job step is started again after a failure
-            (the script resumes from its checkpoint with ``tfscale.fit(checkpoint_dir=...)``).
+            (the script resumes from its checkpoint with ``tfscale.fit(checkpoint_dir=...)``);
+            with ``min_workers``, per size.
+        min_workers: Elastic: a node whose task fails on every start until the restarts
+            are used up, or that Slurm reports unusable, is left out and the step restarts
+            on the nodes left (``launch/slurm_elastic.py``), down to this many workers.
 
     Returns:
         The script text.
@@ -142,6 +147,11 @@ def sbatch_script(
         lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
     if cpus_per_task:
         lines.append(f"#SBATCH --cpus-per-task={cpus_per_task}")
+    if min_workers is not None:
+        return "\n".join(
+            lines + _elastic_loop(script, time_limit, job_name, port_base, max_restarts,
+                                  min_workers, tasks_per_node, nodes)
+        ) + "\n"  # fmt: skip
     lines += [
         f"#SBATCH --time={time_limit}",
         f"#SBATCH --output={job_name}-%j.out",
@@ -174,3 +184,59 @@ def sbatch_script(
         'exit "$status"',
     ]
     return "\n".join(lines) + "\n"
+
+
+def _elastic_loop(
+    script: Sequence[str],
+    time_limit: str,
+    job_name: str,
+    port_base: int,
+    max_restarts: int,
+    min_workers: int,
+    tasks_per_node: int,
+    nodes: int,
+) -> list[str]:
+    decide = (
+        'tfscale launch --slurm --next-step "$STATE"'
+        f" --max-restarts {max_restarts} --min-workers {min_workers}"
+        f" --nodes {nodes} --tasks-per-node {tasks_per_node}"
+    )
+    return [
+        f"#SBATCH --time={time_limit}",
+        f"#SBATCH --output={job_name}-%j.out",
+        "",
+        f"# {nodes * tasks_per_node} workers, one Slurm task each, elastic down to {min_workers}:",
+        "# the step restarts after a failure; a node whose task fails on every start until",
+        f"# its {max_restarts} restart(s) are used up, or that Slurm reports down, drained or not",
+        "# responding, is left out (srun --exclude) and the step restarts on the nodes left,",
+        "# with a new TF_CONFIG; tfscale.fit(checkpoint_dir=...) resumes at the exact batch.",
+        "# `tfscale launch --slurm --next-step` decides (tfscale/launch/slurm_elastic.py) from",
+        "# srun's stderr (the first failed task's node) and `scontrol show node`.",
+        'export TFSCALE_LAUNCH_REPORT_DIR="$PWD/.tfscale-$SLURM_JOB_ID"',
+        'STATE="$TFSCALE_LAUNCH_REPORT_DIR/elastic"',
+        'mkdir -p "$STATE"',
+        """trap 'rm -rf "$TFSCALE_LAUNCH_REPORT_DIR"' EXIT""",
+        'OPTIONS=""',
+        "attempt=0",
+        "while :; do",
+        "    export TFSCALE_LAUNCH_ATTEMPT=$attempt",
+        "    # shellcheck disable=SC2086  # OPTIONS holds several options",
+        "    srun --kill-on-bad-exit=1 $OPTIONS tfscale launch --slurm"
+        f' --port {port_base} {shlex.join(script)} 2> >(tee "$STATE/srun-$attempt.err" >&2)',
+        "    status=$?",
+        "    wait $! 2>/dev/null  # tee has written srun's stderr",
+        '    if [ "$status" = 0 ]; then',
+        f"        {decide}",
+        "        exit 0",
+        "    fi",
+        '    if [ "$status" = 78 ] ||'
+        ' compgen -G "$TFSCALE_LAUNCH_REPORT_DIR/*.json" >/dev/null; then',
+        '        echo "tfscale: a worker did not train with the others (why: above); not'
+        ' restarting" >&2',
+        "        exit 78",
+        "    fi",
+        '    echo "tfscale: job step failed (status $status), attempt $attempt" >&2',
+        f'    OPTIONS=$({decide} --step-attempt "$attempt") || exit "$status"',
+        "    attempt=$((attempt + 1))",
+        "done",
+    ]

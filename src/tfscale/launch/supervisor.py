@@ -26,6 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tfscale.launch.elastic import Drop, slot_to_drop
+
 __all__ = [
     "Failure",
     "JobResult",
@@ -50,6 +52,8 @@ class Task:
         must_finish: True for tasks whose exit with 0 ends the job (the workers of a
             MultiWorkerMirrored job, the chief of a parameter-server job); False for
             servers (parameter servers) that run until they are stopped.
+        slot: The worker slot of an elastic job the task runs (its place in the job as
+            launched, kept when other slots are dropped), or None.
     """
 
     label: str
@@ -57,6 +61,7 @@ class Task:
     env: Mapping[str, str] = field(default_factory=dict)
     rank: int = 0
     must_finish: bool = True
+    slot: int | None = None
 
 
 class WorkerHandle(Protocol):
@@ -103,6 +108,7 @@ class Failure:
     label: str
     returncode: int
     timed_out: bool = False
+    slot: int | None = None
 
 
 @dataclass(frozen=True)
@@ -113,11 +119,18 @@ class JobResult:
         exit_code: 0, or the failing task's exit code (128 + N when killed by signal N).
         attempts: How many attempts ran (1 + the restarts used).
         failures: One entry per failed attempt, in order.
+        dropped: The worker slots an elastic job dropped, in order.
+        below: The slot whose loss would have left fewer than ``min_workers`` workers (the
+            elastic job failed then), or None.
+        workers: Worker slots of the last attempt (None for a job that is not elastic).
     """
 
     exit_code: int
     attempts: int
     failures: tuple[Failure, ...] = ()
+    dropped: tuple[Drop, ...] = ()
+    below: Drop | None = None
+    workers: int | None = None
 
 
 _TIMEOUT_STATUS = 124
@@ -137,6 +150,11 @@ def describe_exit(returncode: int) -> str:
             name = f"signal {-returncode}"
         return f"was killed by {name}"
     return f"exited with code {returncode}"
+
+
+def _exit_words(returncode: int) -> str:
+    """``killed by SIGKILL``, ``exited with code 3``: :func:`describe_exit` without ``was``."""
+    return describe_exit(returncode).removeprefix("was ")
 
 
 def _print_to_stderr(message: str) -> None:
@@ -201,26 +219,97 @@ class Supervisor:
             KeyboardInterrupt: Ctrl-C (or SIGTERM turned into it); every task has been
                 stopped before it propagates.
         """
+        return self.run_elastic(
+            lambda attempt, slots: make_tasks(attempt),
+            slots=(),
+            min_workers=None,
+            max_restarts=max_restarts,
+            timeout_s=timeout_s,
+        )
+
+    def run_elastic(
+        self,
+        make_tasks: Callable[[int, tuple[int, ...]], Sequence[Task]],
+        *,
+        slots: Sequence[int],
+        min_workers: int | None,
+        max_restarts: int = 0,
+        timeout_s: float | None = None,
+        unreachable: Callable[[int], bool] | None = None,
+    ) -> JobResult:
+        """Runs the job, dropping a worker slot that fails on every start (elastic).
+
+        The job restarts after a failure as :meth:`run` does. When the same slot ended
+        every attempt at the current size and the restarts are used up, or the slot that
+        failed cannot be reached (``unreachable``), the slot is dropped and the job
+        restarts on the others with a fresh restart budget, as long as ``min_workers`` are
+        left; otherwise the job fails (``JobResult.below`` says which slot it could not
+        lose). The decision is :func:`tfscale.launch.elastic.slot_to_drop`.
+
+        Args:
+            make_tasks: Builds the tasks of attempt ``k`` on the given slots; the tasks
+                carry their ``slot``.
+            slots: The job's worker slots as launched (``range(N)``).
+            min_workers: Fewest slots the job may continue on; None: never drop (``run``).
+            max_restarts: Restarts per size.
+            timeout_s: Time limit of the whole job, restarts and resizes included.
+            unreachable: Whether a slot's host can no longer be reached (dropped at once).
+
+        Returns:
+            The job's result.
+
+        Raises:
+            KeyboardInterrupt: As :meth:`run`.
+        """
         failures: list[Failure] = []
+        at_size: list[Failure] = []
+        dropped: list[Drop] = []
+        below: Drop | None = None
+        left = tuple(slots)
         self._deadline = None if timeout_s is None else self._clock() + timeout_s
-        for attempt in range(max_restarts + 1):
-            tasks = list(make_tasks(attempt))
+        attempt = 0
+        while True:
+            tasks = list(make_tasks(attempt, left))
             failure = self._run_attempt(attempt, tasks)
+            attempt += 1
+            workers = len(left) if min_workers is not None else None
             if failure is None:
-                return JobResult(0, attempt + 1, tuple(failures))
+                return JobResult(0, attempt, tuple(failures), tuple(dropped), None, workers)
             failures.append(failure)
+            at_size.append(failure)
             if failure.timed_out or failure.returncode in self._final:
                 break
-            if attempt < max_restarts:
+            lost = (
+                failure.slot is not None and unreachable is not None and unreachable(failure.slot)
+            )
+            if not lost and len(at_size) <= max_restarts:
                 self._log(
-                    f"restarting the job (restart {attempt + 1} of {max_restarts}) "
+                    f"restarting the job (restart {len(at_size)} of {max_restarts}) "
                     "with new ports; a script with tfscale.fit(checkpoint_dir=...) "
                     "resumes from its last checkpoint"
                 )
+                continue
+            slot = failure.slot if lost else slot_to_drop([f.slot for f in at_size], max_restarts)
+            if min_workers is None or slot is None or slot not in left:
+                break
+            why = "its host could not be reached" if lost else _exit_words(failure.returncode)
+            drop = Drop(slot, failure.label, why, len(at_size), len(left) - 1)
+            if len(left) - 1 < min_workers:
+                below = drop
+                break
+            dropped.append(drop)
+            left = tuple(s for s in left if s != slot)
+            at_size = []
+            self._log(
+                f"dropping {drop.label} ({why} on {drop.starts} start(s) in a row); "
+                f"restarting the job on the {len(left)} worker(s) left with a new TF_CONFIG, "
+                "from the last checkpoint"
+            )
         last = failures[-1]
         status = exit_status(last.returncode) or 1
         self._log(f"job failed after {len(failures)} attempt(s); exit status {status}")
-        return JobResult(status, len(failures), tuple(failures))
+        workers = len(left) if min_workers is not None else None
+        return JobResult(status, len(failures), tuple(failures), tuple(dropped), below, workers)
 
     def _run_attempt(self, attempt: int, tasks: list[Task]) -> Failure | None:
         handles: list[tuple[Task, WorkerHandle]] = []
@@ -251,7 +340,7 @@ class Supervisor:
                     why = describe_exit(code) if code != 0 else "exited before the job finished"
                     others = len(handles) - len(finished)
                     self._log(f"{task.label} {why}; stopping the {others} other task(s)")
-                    return Failure(attempt, task.label, code if code != 0 else 1)
+                    return Failure(attempt, task.label, code if code != 0 else 1, slot=task.slot)
             if all(i in finished for i, (t, _) in enumerate(handles) if t.must_finish):
                 return None
             if self._deadline is not None and self._clock() > self._deadline:

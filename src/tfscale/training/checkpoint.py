@@ -28,6 +28,8 @@ import tensorflow as tf
 
 from tfscale import internals
 from tfscale.errors import TrainingError, explain
+from tfscale.launch.elastic import CheckpointNote, write_checkpoint_note
+from tfscale.launch.together import REPORT_ENV
 from tfscale.training.adopt import all_variables
 from tfscale.training.prepare import prepared
 
@@ -166,10 +168,15 @@ class CheckpointCallback(keras.callbacks.Callback):  # type: ignore[misc]
         self._epoch.assign(epoch)
         self._batches.assign(batches)
         updates = self._updates()
-        self._manager.save(checkpoint_number=updates)
+        path = self._manager.save(checkpoint_number=updates)
         self._last_saved_update = updates
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
+        report = os.environ.get(REPORT_ENV)
+        if self._chief and report and os.path.isdir(report):
+            # Under tfscale launch: the launcher's last line says where to resume from.
+            note = CheckpointNote(self.config.directory, path, epoch, batches, updates)
+            write_checkpoint_note(report, note)
 
     def _restore(self, latest: str) -> None:
         """Restores ``latest``, refusing a checkpoint of another model before any training."""
@@ -235,6 +242,14 @@ class CheckpointCallback(keras.callbacks.Callback):  # type: ignore[misc]
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self._save(epoch + 1, 0)
+        state = prepared(self.model)
+        if self._skip_first_epoch_done and state is not None and state.epoch_iterator:
+            # The resumed epoch skipped its first batches: Keras must not take its length
+            # for every epoch's when the input's length is unknown (a multi-worker
+            # dataset_fn): the next epoch would stop short.
+            iterator = state.epoch_iterator()
+            if iterator is not None:
+                internals.forget_learned_epoch_length(iterator)
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         internals.set_initial_epoch(self.model, None)

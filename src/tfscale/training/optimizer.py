@@ -18,9 +18,11 @@ custom loop under ``strategy.run``)::
 
 The example count ``c`` comes from the step tfscale traced (``step_context``), where losses
 are plain per-replica means (``internals.replica_count_scaling_off``); in a custom loop
-without that context each replica counts ``1 / N``, so the sum is Keras's usual mean of
-replica gradients. Because the finiteness test runs on the reduced gradients, an overflow on
-one replica makes every replica skip the same update, and ``LossScaleOptimizer`` (which reads
+(``tfscale.prepare_loop``, or a model prepared by ``tfscale.prepare``) the weight and the
+count come from the loss the replica differentiated (``loop.py``, ``conventions.py``), so
+the update is still one device's however the loss was written (a loss tfscale cannot tell
+is refused there). Because the finiteness test runs on the reduced gradients, an overflow
+on one replica makes every replica skip the same update, and ``LossScaleOptimizer`` (which reads
 one replica's flag, keras/src/optimizers/loss_scale_optimizer.py ``_tf_apply``) now judges
 the sum. Under a ``LossScaleOptimizer`` each replica's scaled loss is also divided by N
 (``DistributedUpdate.scale_loss``, weighed back in float32 with the example count), so the
@@ -49,8 +51,15 @@ from tfscale import internals
 from tfscale.errors import TrainingError, explain
 from tfscale.training import xla
 from tfscale.training.allreduce import all_reduce_packed
+from tfscale.training.conventions import record_scaled
 
-__all__ = ["DistributedUpdate", "StepContext", "distributed_update", "step_context"]
+__all__ = [
+    "DistributedUpdate",
+    "StepContext",
+    "distributed_update",
+    "step_context",
+    "step_in_progress",
+]
 
 
 @dataclass
@@ -69,6 +78,9 @@ class StepContext:
             ``gradient_compression`` and ``clipnorm`` are the update's in this step (two
             functions of one model, e.g. profiling's with and without the all-reduce, each
             keep theirs); None uses the update's ``options``.
+        weight: What the gradient is multiplied by before the all-reduce, where it is not
+            ``count`` (a custom loop's loss convention, ``conventions.weighting``); None:
+            ``count * loss_share``.
     """
 
     count: tf.Tensor | None
@@ -76,6 +88,7 @@ class StepContext:
     applied: int = 0
     loss_share: int = 1
     options: Any = None
+    weight: tf.Tensor | None = None
 
 
 _LOCAL = threading.local()
@@ -100,6 +113,11 @@ def step_context(
 
 def _current() -> StepContext | None:
     return getattr(_LOCAL, "step", None)
+
+
+def step_in_progress() -> bool:
+    """Whether this thread is tracing one of tfscale's own replica steps (``function.py``)."""
+    return _current() is not None
 
 
 def _inner(optimizer: Any) -> Any:
@@ -166,6 +184,9 @@ class DistributedUpdate:
         self.accumulation_steps = 1
         self.options: Any = None
         self.all_reduce_traces = 0
+        # Set by tfscale.prepare_loop: (update, variables) -> the StepContext of a custom
+        # loop's replica step (training/loop.py).
+        self.loop_step: Callable[[DistributedUpdate, list[Any]], StepContext] | None = None
         self._original_apply: Callable[..., Any] = type(optimizer).apply.__get__(optimizer)
         self._accumulators: dict[int, tf.Variable] = {}
         with strategy.scope():
@@ -191,6 +212,29 @@ class DistributedUpdate:
             internals.set_optimizer_strategy(each, strategy)
 
     # -- variables -----------------------------------------------------------------------
+    def _build_lazily(self, variables: Sequence[Any]) -> None:
+        """Builds the optimizer (and its accumulators) now, outside the traced step.
+
+        Keras builds an optimizer on its first ``apply``. Inside ``strategy.run`` in a
+        ``tf.function`` that creates its slot variables (Adam's moments) in the replica
+        step, and with TensorFlow's collective all-reduce the first step then fails: "You
+        must feed a value for placeholder tensor 'cond/else/_1/cond/Placeholder_1'"
+        (``fn_with_cond``, the function TensorFlow makes to initialize variables created in
+        a function's first call). Here the variables are created eagerly
+        (``tf.init_scope``) in the strategy's scope, from cross-replica context, the way
+        ``optimizer.build(model.trainable_variables)`` in the scope would have.
+        """
+        variables = list(variables)
+
+        def build(_: tf.distribute.Strategy) -> None:
+            with tf.init_scope(), self.strategy.scope():
+                if not self.optimizer.built:
+                    self.optimizer.build(variables)
+                if self.accumulation_steps > 1:
+                    self.build_accumulators(variables)
+
+        tf.distribute.get_replica_context().merge_call(build)
+
     @staticmethod
     def _local_counter(name: str, dtype: tf.DType) -> tf.Variable:
         return tf.Variable(
@@ -254,6 +298,8 @@ class DistributedUpdate:
         scaled = self._original_scale_loss(loss)
         step = _current()
         context = tf.distribute.get_replica_context()
+        if step is None and self.loop_step is not None:
+            record_scaled(scaled, loss)  # a custom loop: its convention is the loss's
         if step is None or step.count is None or context is None:
             return scaled
         replicas = context.num_replicas_in_sync
@@ -275,7 +321,12 @@ class DistributedUpdate:
         else:
             variables = list(trainable_variables)
         grads = list(grads)
+        if not self.optimizer.built:
+            self._build_lazily(variables)
         step = _current()
+        if step is None and self.loop_step is not None:
+            # A custom loop prepared by tfscale.prepare_loop: the weighting its loss calls for.
+            step = self.loop_step(self, variables)
         if step is not None:
             step.applied += 1
         replicas = context.num_replicas_in_sync
@@ -285,7 +336,10 @@ class DistributedUpdate:
             count = tf.constant(1.0 / replicas)  # Keras's losses are already divided by N
         # Each gradient is weighted by its examples; where scale_loss divided this replica's
         # loss by N, by N times as many (the example total stays the count).
-        weight = count * float(step.loss_share) if step is not None else count
+        if step is not None and step.weight is not None:
+            weight = tf.cast(step.weight, tf.float32)
+        else:
+            weight = count * float(step.loss_share) if step is not None else count
         reduce = replicas > 1 and (step is None or step.all_reduce)
         kept = [i for i, v in enumerate(variables) if _overwritten(v)]
         if self.accumulation_steps == 1:

@@ -24,7 +24,8 @@ when they do not change.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import weakref
+from dataclasses import replace
 from typing import Any
 
 import keras
@@ -34,50 +35,17 @@ from tfscale import internals
 from tfscale.errors import TrainingError, explain
 from tfscale.strategy_hooks import call_by_name
 from tfscale.training.adopt import adopt, model_optimizers
-from tfscale.training.allreduce import Compression, check_compression
+from tfscale.training.allreduce import check_compression
 from tfscale.training.callbacks import guarded, halt_released
 from tfscale.training.checks import check_global_clipnorm, python_int
 from tfscale.training.data import COPIED_FIT_ARGUMENTS, copied_batches
 from tfscale.training.function import StepFunction, example_count
+from tfscale.training.loop import register_loop
 from tfscale.training.optimizer import DistributedUpdate, distributed_update
+from tfscale.training.options import Options, resolve_strategy
 from tfscale.training.precision import Precision, apply_policy, resolve_precision
 
 __all__ = ["Options", "Prepared", "prepare", "prepared", "resolve_strategy"]
-
-
-@dataclass(frozen=True)
-class Options:
-    """tfscale's options for a prepared model.
-
-    Attributes:
-        accumulation_steps: Micro-batches (steps) per optimizer update.
-        clipnorm: Clip the all-reduced gradient to this global norm, or None (the
-            ``global_clipnorm`` of ``prepare`` and ``fit``).
-        remat: Recompute activations in the backward pass.
-        jit_compile: Compile the model's forward and backward pass with XLA.
-        sync_batchnorm: BatchNormalization statistics over all replicas' examples.
-        precision: The decided mixed precision.
-        bucket_bytes: Bytes per gradient all-reduce bucket; None, one packed all-reduce.
-        gradient_compression: ``"bf16"`` / ``"fp16"``: all-reduce dense gradients in it.
-    """
-
-    accumulation_steps: int = 1
-    clipnorm: float | None = None
-    bucket_bytes: int | None = None
-    gradient_compression: Compression | None = None
-    remat: bool = False
-    jit_compile: bool = False
-    sync_batchnorm: bool = False
-    precision: Precision = field(default_factory=lambda: resolve_precision(None))
-
-
-def resolve_strategy(model: Any, strategy: tf.distribute.Strategy | None) -> Any:
-    """The strategy to train with: ``strategy_in_effect`` (explicit, the active scope's, the
-    model's own), else ``tfscale.choose_strategy()`` over every device."""
-    from tfscale.strategy import choose_strategy, strategy_in_effect
-
-    found = strategy_in_effect(model, strategy)
-    return found if found is not None else choose_strategy().strategy
 
 
 def check_model(model: Any) -> None:
@@ -148,6 +116,7 @@ class Prepared:
         self.strategy = strategy
         self.options = options
         self.record_timings = False
+        self.epoch_iterator: weakref.ref[Any] | None = None
         internals.override(model, "make_train_function", self.make_train_function)
         internals.override(model, "make_test_function", self.make_test_function)
         internals.override(model, "_maybe_symbolic_build", self.symbolic_build)
@@ -205,6 +174,7 @@ class Prepared:
                 arguments["callbacks"] = guarded(arguments.get("callbacks"), self.model, update)
 
         update = self.update
+        self.epoch_iterator = None  # the first symbolic build of this fit sets it
         with halt_released(update):
             return call_by_name(type(self.model).fit, self.model, args, kwargs, copy)
 
@@ -260,6 +230,10 @@ class Prepared:
         doc): no batch is read, so a Python generator loses none (Keras's own build reads
         one from it, and its fit under a strategy then trains without that batch)."""
         model = self.model
+        if self.epoch_iterator is None and iterator is not None:
+            # The fit's training epoch iterator (built before any evaluate's), for the
+            # checkpoint's resumed epoch (checkpoint.py).
+            self.epoch_iterator = weakref.ref(iterator)
         unbuilt = (
             not all(layer.built for layer in internals.flatten_layers(model))
             or (model.optimizer is not None and not model.optimizer.built)
@@ -378,6 +352,8 @@ def prepare(
             if isinstance(layer, keras.layers.BatchNormalization):
                 layer.synchronized = True
     state.ready()
+    for update in state.updates():
+        register_loop(model, update)  # the same update in a custom loop (training/loop.py)
     return model
 
 

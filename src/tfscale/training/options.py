@@ -1,0 +1,55 @@
+"""The options of a prepared model or loop: one object, decided once, passed down.
+
+``prepare``, ``fit`` and ``prepare_loop`` take the same options; each makes one
+:class:`Options` and everything below (the step functions, the distributed update) reads it
+from there (Lightning Fabric's configuration object, rather than the same options repeated in
+every signature). Its own module so that ``prepare.py`` and ``loop.py`` both use it without
+importing each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import tensorflow as tf
+
+from tfscale.training.allreduce import Compression
+from tfscale.training.precision import Precision, resolve_precision
+
+__all__ = ["Options", "resolve_strategy"]
+
+
+@dataclass(frozen=True)
+class Options:
+    """tfscale's options for a prepared model.
+
+    Attributes:
+        accumulation_steps: Micro-batches (steps) per optimizer update.
+        clipnorm: Clip the all-reduced gradient to this global norm, or None (the
+            ``global_clipnorm`` of ``prepare`` and ``fit``).
+        remat: Recompute activations in the backward pass.
+        jit_compile: Compile the model's forward and backward pass with XLA.
+        sync_batchnorm: BatchNormalization statistics over all replicas' examples.
+        precision: The decided mixed precision.
+        bucket_bytes: Bytes per gradient all-reduce bucket; None, one packed all-reduce.
+        gradient_compression: ``"bf16"`` / ``"fp16"``: all-reduce dense gradients in it.
+    """
+
+    accumulation_steps: int = 1
+    clipnorm: float | None = None
+    bucket_bytes: int | None = None
+    gradient_compression: Compression | None = None
+    remat: bool = False
+    jit_compile: bool = False
+    sync_batchnorm: bool = False
+    precision: Precision = field(default_factory=lambda: resolve_precision(None))
+
+
+def resolve_strategy(model: Any, strategy: tf.distribute.Strategy | None) -> Any:
+    """The strategy to train with: ``strategy_in_effect`` (explicit, the active scope's, the
+    model's own), else ``tfscale.choose_strategy()`` over every device."""
+    from tfscale.strategy import choose_strategy, strategy_in_effect
+
+    found = strategy_in_effect(model, strategy)
+    return found if found is not None else choose_strategy().strategy

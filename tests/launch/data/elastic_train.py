@@ -1,0 +1,154 @@
+"""A worker of an elastic job: `tfscale launch -n 3 --min-workers 2` that loses worker 2.
+
+Usage: elastic_train.py --data {arrays,tfdata,dataset_fn}[,...] --out PREFIX
+                        [--checkpoint-dir DIR] [--kill-after UPDATE] [--record DIR]
+
+With --kill-after, the last worker of a 3-worker cluster SIGKILLs itself once
+``optimizer.iterations`` reaches UPDATE, on every start, as a machine that fails for good
+would; on 2 workers nobody dies. The data
+is the same global batches (48) whatever the number of workers:
+- arrays: shuffled by tfscale.fit (a permutation per epoch, its seed in the checkpoint);
+- tfdata: a tf.data pipeline shuffled with a seed, batched by the global batch (sharded by
+  DATA across workers);
+- dataset_fn: shuffled with a seed, sharded by example over the input pipelines and batched
+  per replica, so the union of the workers' k-th batches is the k-th 48 examples however
+  many workers there are.
+Each kind (several: one after the other, the uninterrupted reference) trains a fresh model
+and the chief saves its weights to PREFIX-KIND.npz. --record writes, per worker and
+attempt, the cluster size and the update it started from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tfscale
+
+EXAMPLES, FEATURES, CLASSES, BATCH, EPOCHS = 480, 8, 3, 48, 4
+
+
+def make_data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(EXAMPLES, FEATURES)).astype("float32")
+    y = np.argmax(x @ rng.normal(size=(FEATURES, CLASSES)), axis=1).astype("int32")
+    return x, y
+
+
+def build_model() -> keras.Model:
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(16, activation="tanh"),
+            keras.layers.Dense(CLASSES),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def _examples() -> tf.data.Dataset:
+    # One fixed order for every epoch (reshuffle_each_iteration=False): a pipeline reshuffled
+    # on each iteration starts its sequence of orders again in a resumed process.
+    return tf.data.Dataset.from_tensor_slices(make_data()).shuffle(
+        EXAMPLES, seed=3, reshuffle_each_iteration=False
+    )
+
+
+def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+    shard = _examples().shard(context.num_input_pipelines, context.input_pipeline_id)
+    return shard.batch(context.get_per_replica_batch_size(BATCH))
+
+
+def inputs(kind: str) -> dict[str, Any]:
+    """``tfscale.fit``'s data arguments for ``kind``."""
+    if kind == "arrays":
+        x, y = make_data()
+        return {"x": x, "y": y, "batch_size": BATCH}
+    if kind == "tfdata":
+        return {"x": _examples().batch(BATCH)}
+    if kind == "dataset_fn":
+        return {"x": dataset_fn}
+    raise SystemExit(f"unknown --data {kind}")
+
+
+class _KillAfter(keras.callbacks.Callback):
+    """SIGKILLs this process once the optimizer has made ``update`` updates."""
+
+    def __init__(self, update: int) -> None:
+        super().__init__()
+        self._update = update
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if int(self.model.optimizer.iterations.numpy()) >= self._update:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Record(keras.callbacks.Callback):
+    def __init__(self, path: str, workers: int) -> None:
+        super().__init__()
+        self._path, self._workers = path, workers
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        with open(self._path, "w") as handle:
+            json.dump(
+                {
+                    "workers": self._workers,
+                    "start_step": int(self.model.optimizer.iterations.numpy()),
+                },
+                handle,
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--checkpoint-dir")
+    parser.add_argument("--kill-after", type=int)
+    parser.add_argument("--record")
+    args = parser.parse_args()
+    choice = tfscale.choose_strategy(strict=True)
+    cluster = choice.cluster
+    workers = cluster.num_workers if cluster is not None else 1
+    index = cluster.task_index if cluster is not None else 0
+    callbacks: list[Any] = []
+    if args.record:
+        attempt = os.environ.get("TFSCALE_LAUNCH_ATTEMPT", "0")
+        name = f"{os.environ.get('TFSCALE_LAUNCH_TASK', 'worker').replace(' ', '')}-{attempt}"
+        callbacks.append(_Record(os.path.join(args.record, name + ".json"), workers))
+    if args.kill_after and workers == 3 and index == 2:
+        callbacks.append(_KillAfter(args.kill_after))
+    for kind in args.data.split(","):
+        with choice.strategy.scope():
+            model = build_model()
+        checkpoint = None
+        if args.checkpoint_dir:
+            checkpoint = tfscale.CheckpointConfig(args.checkpoint_dir, every_steps=4)
+        tfscale.fit(
+            model,
+            **inputs(kind),
+            epochs=EPOCHS,
+            checkpoint_dir=checkpoint,
+            callbacks=callbacks,
+            strategy=choice.strategy,
+            verbose=0,
+        )
+        print(f"{kind} on {workers} workers: done", flush=True)
+        if cluster is None or cluster.is_chief:
+            np.savez(f"{args.out}-{kind}.npz", *[np.asarray(w) for w in model.get_weights()])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Elastic jobs that train: ``tfscale launch -n 3 --min-workers 2 --max-restarts 2`` whose
+worker 2 is SIGKILLed in epoch 2 on every start with 3 workers ends on 2 workers with the
+weights of the uninterrupted 3-worker run, for shuffled arrays, a tf.data pipeline and a
+dataset_fn (tests/launch/data/elastic_train.py).
+
+The jobs start together in one module fixture (as test_jobs.py's): the uninterrupted
+reference (the three inputs one after the other in one 3-worker job) and one elastic job
+per input: 3 attempts of 3 workers, then 2 workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tfscale.testing import relative_difference
+
+# One worker runs this module (make test: --dist loadgroup), so its module fixture runs once.
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.slow,
+    pytest.mark.xdist_group("launch-elastic-jobs"),
+]
+
+_ROOT = Path(__file__).resolve().parents[2]
+_SCRIPT = str(Path(__file__).parent / "data" / "elastic_train.py")
+_KINDS = ("arrays", "tfdata", "dataset_fn")
+_TIMEOUT = 900.0
+# 10 updates per epoch (480 examples, global batch 48), checkpoints every 4 updates and at
+# epoch ends: worker 2 dies at update 26 (epoch 2), every 3-worker attempt resumes from 24
+# (epoch 2, batch 4), and so does the 2-worker attempt: mid-epoch, at the exact batch.
+_KILL_AFTER, _RESUMED_AT = 26, 24
+
+
+@dataclass
+class _Job:
+    folder: Path
+    process: subprocess.Popen[str]
+    stdout: str = ""
+    stderr: str = ""
+
+    def weights(self, name: str) -> list[np.ndarray]:
+        with np.load(self.folder / name) as data:
+            return [data[f"arr_{i}"] for i in range(len(data.files))]
+
+    @property
+    def pids(self) -> list[int]:
+        """Every task the supervisor reported starting (its pid is its process group)."""
+        return [int(p) for p in re.findall(r"\(pid (\d+)\)", self.stderr)]
+
+    def records(self) -> dict[str, dict[str, int]]:
+        return {p.stem: json.loads(p.read_text()) for p in self.folder.glob("worker*.json")}
+
+
+def _start(folder: Path, args: list[str]) -> _Job:
+    folder.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(_ROOT / "src"))
+    for name in ("TF_CONFIG", "TFSCALE_VIRTUAL_DEVICES", "TF_CPP_MIN_LOG_LEVEL"):
+        env.pop(name, None)
+    command = [sys.executable, "-m", "tfscale.cli.main", "launch", "--timeout", "850"]
+    process = subprocess.Popen(
+        [*command, "--grace", "2", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    return _Job(folder, process)
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Job]]:
+    root = tmp_path_factory.mktemp("elastic")
+    started = {
+        "reference": _start(
+            root / "reference",
+            ["-n", "3", _SCRIPT, "--data", ",".join(_KINDS), "--out", str(root / "reference/w")],
+        )
+    }
+    for kind in _KINDS:
+        folder = root / kind
+        started[kind] = _start(
+            folder,
+            ["-n", "3", "--min-workers", "2", "--max-restarts", "2", _SCRIPT,
+             "--data", kind, "--out", str(folder / "w"), "--checkpoint-dir", str(folder / "ck"),
+             "--kill-after", str(_KILL_AFTER), "--record", str(folder)],
+        )  # fmt: skip
+    deadline = time.time() + _TIMEOUT
+    try:
+        for job in started.values():
+            try:
+                remaining = max(1.0, deadline - time.time())
+                job.stdout, job.stderr = job.process.communicate(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                os.killpg(job.process.pid, 9)  # the launcher; its tasks die with it
+                job.stdout, job.stderr = job.process.communicate()
+    finally:
+        for job in started.values():
+            if job.process.poll() is None:
+                os.killpg(job.process.pid, 9)
+                job.process.communicate()
+    yield started
+
+
+@pytest.mark.parametrize("kind", _KINDS)
+def test_job_losing_worker_2_finishes_on_2_with_the_uninterrupted_weights(
+    jobs: dict[str, _Job], kind: str
+) -> None:
+    reference, job = jobs["reference"], jobs[kind]
+    assert reference.process.returncode == 0, reference.stderr[-3000:]
+    assert job.process.returncode == 0, job.stderr[-3000:]
+    assert job.stderr.strip().splitlines()[-1] == (
+        "[tfscale launch] finished on 2 of 3 workers: dropped worker 2 "
+        "(killed by SIGKILL on 3 starts in a row)"
+    )
+    records = job.records()
+    assert sorted(records) == [
+        "worker0-0", "worker0-1", "worker0-2", "worker0-3", "worker1-0", "worker1-1",
+        "worker1-2", "worker1-3", "worker2-0", "worker2-1", "worker2-2",
+    ]  # fmt: skip
+    assert [records[f"worker0-{a}"]["workers"] for a in range(4)] == [3, 3, 3, 2]
+    assert [records[f"worker1-{a}"]["start_step"] for a in range(4)] == [0] + [_RESUMED_AT] * 3
+    assert f"[worker 0] {kind} on 2 workers: done" in job.stdout
+    difference = relative_difference(
+        job.weights(f"w-{kind}.npz"), reference.weights(f"w-{kind}.npz")
+    )
+    assert len(job.pids) == 11 and _groups_alive(job.pids) == []  # every attempt stopped
+    print(f"{kind}: relative difference to the uninterrupted 3-worker run {difference:.2e}")
+    assert difference <= 1e-5, difference
+
+
+def _groups_alive(pgids: list[int]) -> list[int]:
+    """Pids of live processes whose process group is one of ``pgids``."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) in pgids:
+            alive.append(int(entry))
+    return alive

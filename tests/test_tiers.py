@@ -1,0 +1,115 @@
+"""The test tiers themselves: the marker gates of ``tests/conftest.py`` and the process grouping
+``make test`` relies on, each run as pytest runs them, on a small suite written here."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tfscale.processes import run
+
+pytestmark = pytest.mark.multiprocess
+
+_TESTS = Path(__file__).resolve().parent
+# The suite under test loads the real conftest's hooks and fixtures.
+_CONFTEST = f"""
+import importlib.util
+_spec = importlib.util.spec_from_file_location("tfscale_conftest", {str(_TESTS / "conftest.py")!r})
+_real = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_real)
+globals().update({{k: v for k, v in vars(_real).items() if not k.startswith("__")}})
+"""
+
+
+def _pytest(folder: Path, *args: str) -> tuple[int, str]:
+    done = run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", *args],
+        timeout=120,
+        cwd=str(folder),
+    )
+    assert not done.timed_out
+    return done.returncode, done.stdout + done.stderr
+
+
+def _suite(folder: Path, files: dict[str, str]) -> Path:
+    (folder / "conftest.py").write_text(_CONFTEST)
+    (folder / "pytest.ini").write_text(
+        "[pytest]\nmarkers =\n    tf: t\n    multiprocess: m\n    slow: s\n"
+    )
+    for name, text in files.items():
+        (folder / name).write_text(textwrap.dedent(text))
+    return folder
+
+
+def test_unmarked_tensorflow_imports_and_child_processes_fail_naming_the_marker(
+    tmp_path: Path,
+) -> None:
+    suite = _suite(
+        tmp_path,
+        {
+            "test_needs.py": """
+                import subprocess
+
+                def test_imports_tensorflow():
+                    import tensorflow  # noqa: F401
+
+                def test_starts_a_process():
+                    subprocess.run(["true"], check=True)
+            """,
+            "test_marked_tf.py": """
+                import pytest
+                import tensorflow  # noqa: F401 (a module the fast tier never imports)
+
+                pytestmark = [pytest.mark.tf]
+
+                def test_uses_tensorflow():
+                    pass
+            """,
+        },
+    )
+    status, out = _pytest(suite, "-m", "not tf and not multiprocess")
+    assert status == 1, out
+    assert "test_imports_tensorflow imports tensorflow: mark it @pytest.mark.tf" in out
+    assert "test_starts_a_process starts a child process: mark it" in out
+    assert "@pytest.mark.multiprocess" in out
+    # The module marked tf as a whole was not imported (nor counted): 2 failed, none else.
+    assert out.rstrip().splitlines()[-1].startswith("2 failed in "), out
+
+
+def test_a_group_of_tests_runs_in_one_process_under_loadgroup(tmp_path: Path) -> None:
+    suite = _suite(
+        tmp_path,
+        {
+            "test_grouped.py": """
+                import time
+                import pytest
+
+                pytestmark = [pytest.mark.xdist_group("together")]
+
+                @pytest.mark.parametrize("i", range(6))
+                def test_grouped(i):
+                    time.sleep(0.2)  # ungrouped, these would be handed to both processes
+            """,
+            "test_free.py": """
+                import time
+                import pytest
+
+                @pytest.mark.parametrize("i", range(20))
+                def test_free(i):
+                    time.sleep(0.1)
+            """,
+        },
+    )
+    status, out = _pytest(suite, "-n", "2", "--dist", "loadgroup", "-vv")
+    assert status == 0, out
+    ran = [
+        line.split()[0]  # "[gw0] [ 10%] PASSED test_grouped.py::test_grouped[0]"
+        for line in out.splitlines()
+        if line.startswith("[gw") and "PASSED test_grouped.py" in line
+    ]
+    assert len(ran) == 6, out
+    workers = set(ran)
+    assert len(workers) == 1, f"the group ran on {sorted(workers)} (pytest-dev/pytest-xdist#1386)"

@@ -1,0 +1,300 @@
+"""Custom training loops as users write them, each a function of the strategy it runs under
+and of the one line tfscale adds (``prepare``: None runs the loop unchanged).
+
+Transcribed, shapes kept and sizes shrunk so that they run in seconds on CPUs:
+
+- ``tutorial_loop``: TensorFlow's "Custom training with tf.distribute.Strategy"
+  (tensorflow/docs, site/en/tutorials/distribute/custom_training.ipynb): a ``Sequential`` CNN
+  without ``Input`` and with L2 regularizers, Adam, ``compute_loss`` with
+  ``tf.nn.compute_average_loss`` + ``tf.nn.scale_regularization_loss``, ``train_step`` under
+  ``strategy.run`` in ``distributed_train_step``, the accuracy metric. The dataset is not
+  shuffled (the comparison needs one order) and its images are 12x12 random values.
+- ``guide_loop``: Keras's "Writing a training loop from scratch in TensorFlow"
+  (keras-team/keras-io, guides/writing_a_custom_training_loop_in_tensorflow.py): its
+  ``get_model`` MLP, a ``SparseCategoricalCrossentropy(from_logits=True)`` object, Adam and
+  the ``@tf.function`` ``train_step`` with ``optimizer.apply(grads, model.trainable_weights)``
+  and its metric. The guide trains on one device; here its step is the replica step of
+  ``strategy.run`` inside a ``tf.function``, the way the tutorial distributes a step.
+- ``user_loop``: the shape many users copy: model and optimizer created in the scope and
+  not built, a per-example loss vector handed to ``tape.gradient``, ``@tf.function``
+  around ``strategy.run``.
+- ``convention_loop``: one small loop whose loss is written in a given convention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+Prepare = Callable[[Any, Any], Any] | None
+
+
+def _seeded(seed: int) -> None:
+    keras.utils.set_random_seed(seed)
+
+
+def images(n: int, seed: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    """Random 12x12x1 images in [0, 1) and labels 0-9."""
+    rng = np.random.default_rng(seed)
+    return rng.random((n, 12, 12, 1), dtype=np.float32), rng.integers(0, 10, n).astype("int32")
+
+
+def tutorial_loop(
+    strategy: tf.distribute.Strategy,
+    prepare: Prepare,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    global_batch: int = 16,
+    epochs: int = 2,
+    checkpoint_to: str | None = None,
+) -> list[np.ndarray]:
+    """The tutorial's loop (see the module docstring); returns the trained weights."""
+    _seeded(11)
+    batch_size_per_replica = global_batch // strategy.num_replicas_in_sync
+    global_batch_size = batch_size_per_replica * strategy.num_replicas_in_sync
+    train_dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch_size)
+    train_dist_dataset = strategy.experimental_distribute_dataset(train_dataset)
+
+    def create_model() -> keras.Model:
+        regularizer = keras.regularizers.L2(1e-5)
+        return keras.Sequential(
+            [
+                keras.layers.Conv2D(4, 3, activation="relu", kernel_regularizer=regularizer),
+                keras.layers.MaxPooling2D(),
+                keras.layers.Conv2D(8, 3, activation="relu", kernel_regularizer=regularizer),
+                keras.layers.MaxPooling2D(),
+                keras.layers.Flatten(),
+                keras.layers.Dense(16, activation="relu", kernel_regularizer=regularizer),
+                keras.layers.Dense(10, kernel_regularizer=regularizer),
+            ]
+        )
+
+    with strategy.scope():
+        loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+        def compute_loss(labels: Any, predictions: Any, model_losses: Any) -> Any:
+            per_example_loss = loss_object(labels, predictions)
+            loss = tf.nn.compute_average_loss(per_example_loss)
+            if model_losses:
+                loss += tf.nn.scale_regularization_loss(tf.add_n(model_losses))
+            return loss
+
+        train_accuracy = keras.metrics.SparseCategoricalAccuracy(name="train_accuracy")
+        model = create_model()
+        optimizer = keras.optimizers.Adam(learning_rate=0.001)
+        checkpoint = tf.train.Checkpoint(optimizer=optimizer, model=model)
+    if prepare is not None:
+        prepare(model, optimizer)  # the one added line
+
+    def train_step(inputs: Any) -> Any:
+        images, labels = inputs
+        with tf.GradientTape() as tape:
+            predictions = model(images, training=True)
+            loss = compute_loss(labels, predictions, model.losses)
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables, strict=True))
+        train_accuracy.update_state(labels, predictions)
+        return loss
+
+    @tf.function
+    def distributed_train_step(dataset_inputs: Any) -> Any:
+        per_replica_losses = strategy.run(train_step, args=(dataset_inputs,))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica_losses, axis=None)
+
+    for _ in range(epochs):
+        total_loss = 0.0
+        for batch in train_dist_dataset:
+            total_loss += distributed_train_step(batch)
+        train_accuracy.reset_state()
+    if checkpoint_to is not None:
+        checkpoint.save(checkpoint_to)
+    return [np.asarray(w) for w in model.get_weights()]
+
+
+def guide_loop(
+    strategy: tf.distribute.Strategy,
+    prepare: Prepare,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    batch_size: int = 32,
+    epochs: int = 2,
+    optimizer_name: str = "adam",
+    eager: bool = False,
+) -> list[np.ndarray]:
+    """The Keras guide's loop, its step run by ``strategy.run``; returns the weights.
+
+    ``eager``: the guide's first loop, which runs its step eagerly (no ``tf.function``).
+    """
+    _seeded(12)
+
+    def get_model() -> keras.Model:
+        inputs = keras.Input(shape=(x.shape[1],), name="digits")
+        x1 = keras.layers.Dense(64, activation="relu")(inputs)
+        x2 = keras.layers.Dense(64, activation="relu")(x1)
+        outputs = keras.layers.Dense(10, name="predictions")(x2)
+        return keras.Model(inputs=inputs, outputs=outputs)
+
+    with strategy.scope():
+        model = get_model()
+        if optimizer_name == "adam":
+            optimizer = keras.optimizers.Adam(learning_rate=1e-3)
+        else:
+            optimizer = keras.optimizers.SGD(learning_rate=0.1)
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        train_acc_metric = keras.metrics.SparseCategoricalAccuracy()
+    if prepare is not None:
+        prepare(model, optimizer)  # the one added line
+    train_dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
+    dist_dataset = strategy.experimental_distribute_dataset(train_dataset)
+
+    def train_step(x: Any, y: Any) -> Any:
+        with tf.GradientTape() as tape:
+            logits = model(x, training=True)
+            loss_value = loss_fn(y, logits)
+        grads = tape.gradient(loss_value, model.trainable_weights)
+        optimizer.apply(grads, model.trainable_weights)
+        train_acc_metric.update_state(y, logits)
+        return loss_value
+
+    def distributed_step(batch: Any) -> Any:
+        return strategy.run(train_step, args=batch)
+
+    step = distributed_step if eager else tf.function(distributed_step)
+    for _ in range(epochs):
+        for batch in dist_dataset:
+            step(batch)
+        train_acc_metric.reset_state()
+    return [np.asarray(w) for w in model.get_weights()]
+
+
+def user_loop(
+    strategy: tf.distribute.Strategy,
+    prepare: Prepare,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    optimizer_name: str = "adam",
+    batch: int = 16,
+    epochs: int = 2,
+) -> list[np.ndarray]:
+    """Model and optimizer made in the scope, unbuilt; a per-example loss vector."""
+    _seeded(13)
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.layers.Dense(16, activation="relu"), keras.layers.Dense(int(y.max()) + 1)]
+        )
+        optimizer = {
+            "adam": lambda: keras.optimizers.Adam(0.01),
+            "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05),
+            "sgd": lambda: keras.optimizers.SGD(0.01),
+            "lso": lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01)),
+        }[optimizer_name]()
+        per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    if prepare is not None:
+        prepare(model, optimizer)  # the one added line
+    scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+    def step(xb: Any, yb: Any) -> Any:
+        with tf.GradientTape() as tape:
+            losses = per_example(yb, model(xb, training=True))
+            target = optimizer.scale_loss(losses) if scaled else losses
+        grads = tape.gradient(target, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return losses
+
+    @tf.function
+    def train(batch: Any) -> Any:
+        return strategy.run(step, args=batch)
+
+    data = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+    )
+    for _ in range(epochs):
+        for each in data:
+            train(each)
+    return [np.asarray(w) for w in model.get_weights()]
+
+
+CONVENTIONS = (
+    "keras_object",
+    "reduce_mean",
+    "per_example_vector",
+    "compute_average_loss",
+    "compute_average_loss_global",
+    "divided_by_global_batch",
+    "reduce_mean_plus_model_losses",
+)
+
+
+def convention_loop(
+    strategy: tf.distribute.Strategy,
+    prepare: Prepare,
+    x: np.ndarray,
+    y: np.ndarray,
+    convention: str,
+    *,
+    batch: int = 16,
+    epochs: int = 2,
+    lr: float = 0.2,
+    clip: float | None = None,
+) -> tuple[list[np.ndarray], Any]:
+    """A small SGD loop whose loss is written in ``convention``; returns the weights and
+    the optimizer. ``clip``: the step clips its gradients to this global norm (the
+    one-device reference of ``prepare_loop(clipnorm=...)``)."""
+    _seeded(14)
+    with strategy.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((x.shape[1],)),
+                keras.layers.Dense(8, activation="tanh", kernel_regularizer="l2"),
+                keras.layers.Dense(int(y.max()) + 1),
+            ]
+        )
+        optimizer = keras.optimizers.SGD(lr)
+        mean = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    if prepare is not None:
+        prepare(model, optimizer)
+
+    def step(xb: Any, yb: Any) -> Any:
+        with tf.GradientTape() as tape:
+            logits = model(xb, training=True)
+            if convention == "keras_object":
+                loss = mean(yb, logits)
+            elif convention == "reduce_mean":
+                loss = tf.reduce_mean(per_example(yb, logits))
+            elif convention == "per_example_vector":
+                loss = per_example(yb, logits)
+            elif convention == "compute_average_loss":
+                loss = tf.nn.compute_average_loss(per_example(yb, logits))
+            elif convention == "compute_average_loss_global":
+                loss = tf.nn.compute_average_loss(per_example(yb, logits), global_batch_size=batch)
+            elif convention == "divided_by_global_batch":
+                loss = tf.reduce_sum(per_example(yb, logits)) / batch
+            elif convention == "reduce_mean_plus_model_losses":
+                loss = tf.reduce_mean(per_example(yb, logits)) + tf.add_n(model.losses)
+            else:
+                raise ValueError(convention)
+        grads = tape.gradient(loss, model.trainable_variables)
+        if clip is not None:
+            grads, _ = tf.clip_by_global_norm(grads, clip)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return loss
+
+    @tf.function
+    def train(each: Any) -> Any:
+        return strategy.run(step, args=each)
+
+    data = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+    )
+    for _ in range(epochs):
+        for each in data:
+            train(each)
+    return [np.asarray(w) for w in model.get_weights()], optimizer

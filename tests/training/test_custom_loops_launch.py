@@ -1,0 +1,123 @@
+"""The custom loops of ``loops.py`` under ``tfscale launch -n 2`` (MultiWorkerMirroredStrategy
+over 2 worker processes, collective all-reduce over gRPC), each with its one
+``tfscale.prepare_loop`` line, give one device's weights: the tutorial's loop (a model
+without ``Input`` and Adam, both built by the first replica step, which fails unprepared
+under the collective all-reduce), the Keras guide's and the users' loop, and accumulation
+over 2 batches (one all-reduce per update). And the tutorial's loop under
+``tf.distribute.MirroredStrategy()``'s default (collective) all-reduce over 2 logical CPUs,
+in a child process: unchanged it fails on its first step, with the line it trains."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tfscale.testing import relative_difference
+
+from .helpers import DATA, strategy_for
+from .loops import convention_loop, guide_loop, images, tutorial_loop, user_loop
+
+pytestmark = [pytest.mark.tf, pytest.mark.multiprocess, pytest.mark.slow]
+
+_ROOT = Path(__file__).resolve().parents[2]
+_JOB = Path(__file__).parent / "data" / "custom_loops_job.py"
+
+
+def _weights(path: Path) -> list[np.ndarray]:
+    with np.load(path) as data:
+        return [data[f"arr_{i}"] for i in range(len(data.files))]
+
+
+def test_custom_loops_under_tfscale_launch_give_one_device_weights(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(_ROOT / "src"))
+    for name in ("TF_CONFIG", "TFSCALE_VIRTUAL_DEVICES"):
+        env.pop(name, None)
+    command = [sys.executable, "-m", "tfscale.cli.main", "launch", "-n", "2", "--timeout", "240"]
+    done = subprocess.run(
+        [*command, str(_JOB), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        start_new_session=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[worker 1] worker 1: custom loops done" in done.stdout
+    x, y = DATA
+    ix, iy = images(64)
+    one = strategy_for(0)
+    references = {
+        "tutorial": tutorial_loop(one, None, ix, iy),
+        "guide": guide_loop(one, None, x, y),
+        "user_sgd": user_loop(one, None, x[:96], y[:96], optimizer_name="sgd"),
+        "user_adam": user_loop(one, None, x[:96], y[:96], optimizer_name="adam"),
+        # accumulation_steps=2 over batches of 16 == one device on batches of 32
+        "accumulated": convention_loop(one, None, x[:64], y[:64], "reduce_mean", batch=32)[0],
+    }
+    for name, reference in references.items():
+        for worker in range(2):
+            got = _weights(tmp_path / f"{name}-{worker}.npz")
+            worst = max(relative_difference([g], [w]) for g, w in zip(got, reference, strict=True))
+            assert worst <= 1e-5, (name, worker, worst)
+    for worker in range(2):
+        report = json.loads((tmp_path / f"worker{worker}.json").read_text())
+        # 4 batches x 2 epochs, 2 per update: 4 updates, each one all-reduce.
+        assert report["replicas"] == 2
+        assert (report["accumulated_updates"], report["accumulated_all_reduces"]) == (4, 4)
+
+
+_MIRRORED_CHILD = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import tfscale  # first: it splits the CPU into TFSCALE_VIRTUAL_DEVICES before TF starts
+import tensorflow as tf
+strategy = tf.distribute.MirroredStrategy()  # the default: collective all-reduce on CPUs
+from training.loops import images, tutorial_loop
+prepare = (lambda m, o: tfscale.prepare_loop(m, o)) if sys.argv[2] == "prepared" else None
+x, y = images(64)
+try:
+    weights = tutorial_loop(strategy, prepare, x, y)
+except Exception as error:
+    text = str(error)
+    start = max(0, text.find("You must feed"))
+    print("FAILED", type(error).__name__, text[start : start + 200].replace(chr(10), " "))
+else:
+    np.savez(sys.argv[3], *weights)
+    print("TRAINED", strategy.num_replicas_in_sync)
+"""
+
+
+def test_the_tutorial_under_mirroreds_default_all_reduce_fails_unchanged_and_trains_prepared(
+    tmp_path: Path,
+) -> None:
+    from tfscale.testing import run_python
+
+    tests = str(Path(__file__).resolve().parents[1])
+    outcomes = {}
+    for mode in ("unchanged", "prepared"):
+        done = run_python(
+            _MIRRORED_CHILD,
+            virtual_devices=2,
+            args=[tests, mode, str(tmp_path / f"{mode}.npz")],
+            timeout=180,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        outcomes[mode] = done.stdout
+    # The tutorial's Sequential without Input and its Adam are built by the first replica
+    # step, which fails under the collective all-reduce ...
+    assert "FAILED InvalidArgumentError" in outcomes["unchanged"], outcomes["unchanged"]
+    assert "You must feed a value for placeholder tensor" in outcomes["unchanged"]
+    # ... and with the one line trains to one device's weights.
+    assert "TRAINED 2" in outcomes["prepared"], outcomes["prepared"]
+    x, y = images(64)
+    reference = tutorial_loop(strategy_for(0), None, x, y)
+    got = _weights(tmp_path / "prepared.npz")
+    worst = max(relative_difference([g], [w]) for g, w in zip(got, reference, strict=True))
+    assert worst <= 1e-5, worst
