@@ -437,9 +437,11 @@ _OVERRIDES_TESTED = {
     "scale_loss": "test_train_step_calls_the_instance_scale_loss",
     "call": "test_layer_call_runs_the_instance_call",
     "get_metrics_result": "test_fit_reads_epoch_logs_through_the_instance_get_metrics_result",
+    "build": "test_the_first_call_of_an_unbuilt_model_runs_the_instance_build",
     # tfscale's own state, which no Keras code reads: only the __dict__ write is assumed.
     "_tfscale": "test_override_and_restore_replace_a_method_on_one_instance",
     "_tfscale_update": "test_override_and_restore_replace_a_method_on_one_instance",
+    "_tfscale_loop": "test_override_and_restore_replace_a_method_on_one_instance",
 }
 
 
@@ -567,6 +569,26 @@ def test_fit_reads_epoch_logs_through_the_instance_get_metrics_result() -> None:
         "get_metrics_result",
         "fit's epoch-end logs do not come from model.get_metrics_result()",
         "training.prepare.Prepared.get_metrics_result (metric results read as tensors)",
+    )
+
+
+def test_the_first_call_of_an_unbuilt_model_runs_the_instance_build() -> None:
+    import functools
+
+    model, seen = keras.Sequential([keras.layers.Dense(2)]), []
+    build = model.build
+
+    @functools.wraps(build)  # as training.loop does: Keras reads build's signature
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        seen.append(args or tuple(kwargs.values()))
+        return build(*args, **kwargs)
+
+    internals.override(model, "build", recorded)
+    model(np.ones((2, 4), "float32"))
+    assert seen and model.built, _broken(
+        "build",
+        "the first call of an unbuilt model does not run model.build(shape)",
+        "training.loop._build_outside_steps (variables created outside the replica step)",
     )
 
 
