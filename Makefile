@@ -7,7 +7,7 @@ EXTRA := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo gpu || echo 
 # ray: the TaskPool's Ray backend is tested, not skipped (tests/tasks/test_taskpool_ray.py).
 EXTRAS := $(EXTRA),dev,ray
 
-.PHONY: demo test check quick lint unit venv clean bench
+.PHONY: demo test test-lowest check quick lint unit venv clean bench
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,39 @@ unit: venv
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 test: lint unit
+
+# The lowest TensorFlow and Keras that pyproject.toml declares, in a second virtualenv: every
+# private name and per-instance override tfscale relies on (test_internals), the declared
+# bounds (test_versions), and a share of the equivalence, XLA and parity suites chosen for the
+# version-sensitive paths (metrics over replicas, the symbolic build, compute_loss, the
+# optimizer update, loss scaling, accumulation, XLA, recurrent and attention models). All of
+# those suites pass there (run by hand: docs/training.md); the newest versions run everything
+# in `make test`. tests/test_versions.py holds these pins to pyproject.toml's lower bounds.
+# The virtualenv lives outside the clone, so that CI's fresh clones on one machine reuse it
+# (pip then only checks it, and installs tfscale itself from this clone); the tests import this
+# clone's src first.
+LOWEST_VENV ?= $(HOME)/.cache/tfscale/venv-lowest
+LOWEST := tensorflow-cpu==2.16.2 keras==3.10.0
+PARITY := tests/training/test_parity.py::test_tfscale_fit_matches_one_device_model_fit
+EXAMPLES := tests/training/test_parity_examples.py::test_tfscale_fit_matches_one_device_model_fit
+LOWEST_TESTS := tests/test_internals.py tests/test_versions.py \
+	tests/training/test_equivalence.py::test_replicas_give_the_weights_of_one_device \
+	tests/training/test_equivalence.py::test_exactly_one_gradient_all_reduce_per_update_with_k_4 \
+	tests/training/test_xla.py::test_compile_jit_compile_true_is_the_same_option \
+	tests/training/test_xla.py::test_a_model_xla_cannot_compile_is_refused_before_the_first_step_naming_the_layer \
+	'$(PARITY)[fit_flow_arrays]' '$(PARITY)[uneven_last_batch]' \
+	'$(PARITY)[metric_tracking_weighted]' '$(PARITY)[symbolic_build_subclassed]' \
+	'$(PARITY)[custom_compute_loss_with_x]' '$(PARITY)[python_generator]' \
+	'$(EXAMPLES)[lstm_text_classification]' '$(EXAMPLES)[transformer_block]' \
+	'$(EXAMPLES)[loss_scale_optimizer_mixed_float16]' '$(EXAMPLES)[gradient_accumulation_adam]'
+
+test-lowest:
+	test -x $(LOWEST_VENV)/bin/python || $(PYTHON) -m venv $(LOWEST_VENV)
+	$(LOWEST_VENV)/bin/python -m pip install --quiet ".[cpu,dev]" $(LOWEST)
+	PYTHONPATH=$(CURDIR)/src $(LOWEST_VENV)/bin/python -c \
+		"import tensorflow as tf, keras, tfscale; print('lowest:', tf.__version__, keras.__version__, tfscale.__file__)"
+	PYTHONPATH=$(CURDIR)/src $(LOWEST_VENV)/bin/python -m pytest -q -n 2 --dist loadgroup \
+		-p no:cacheprovider $(LOWEST_TESTS)
 
 bench: venv
 	$(BIN)/python benchmarks/fit_vs_keras.py

@@ -457,6 +457,272 @@ def test_strategy_supports_no_merge_call() -> None:
         assert internals.strategy_supports_no_merge_call() is False
 
 
+# -- what tfscale replaces on one instance (internals.override) --------------------------------
+# Each name tfscale sets on a Keras object's __dict__ only works while Keras calls it through
+# the instance (self.NAME(...)) with the arguments tfscale's replacement takes. One test per
+# name; test_every_instance_override_is_tested fails on an override with none.
+_OVERRIDES_TESTED = {
+    "make_train_function": "test_fit_calls_the_instance_make_train_function_and_train_function",
+    "make_test_function": "test_evaluate_calls_the_instance_make_test_function",
+    "_maybe_symbolic_build": "test_fit_calls_the_instance_maybe_symbolic_build",
+    "fit": "test_the_instance_fit_is_what_model_fit_runs",
+    "compute_loss": "test_train_step_calls_the_instance_compute_loss_with_x",
+    "apply": "test_apply_gradients_calls_the_instance_apply",
+    "scale_loss": "test_train_step_calls_the_instance_scale_loss",
+    "call": "test_layer_call_runs_the_instance_call",
+    "get_metrics_result": "test_fit_reads_epoch_logs_through_the_instance_get_metrics_result",
+    "build": "test_the_first_call_of_an_unbuilt_model_runs_the_instance_build",
+    # tfscale's own state, which no Keras code reads: only the __dict__ write is assumed.
+    "_tfscale": "test_override_and_restore_replace_a_method_on_one_instance",
+    "_tfscale_update": "test_override_and_restore_replace_a_method_on_one_instance",
+    "_tfscale_loop": "test_override_and_restore_replace_a_method_on_one_instance",
+}
+
+
+def _compiled_functional(**compile_kw: Any) -> keras.Model:
+    model = _functional()
+    model.compile(optimizer="sgd", loss="mse", **compile_kw)
+    return model
+
+
+_XY = (np.ones((4, 4), "float32"), np.ones((4, 2), "float32"))
+
+
+def _broken(name: str, what: str, used_by: str) -> str:
+    return (
+        f"Keras {keras.__version__} (TensorFlow {tf.__version__}) {what}: tfscale's per-instance "
+        f"override of {name!r} no longer takes effect; {used_by} needs another way."
+    )
+
+
+def test_fit_calls_the_instance_make_train_function_and_train_function() -> None:
+    model, seen = _compiled_functional(), []
+    original = model.make_train_function
+
+    def make(force: bool = False) -> Any:
+        seen.append("make")
+        original(force)
+        function = model.train_function
+
+        def train_function(iterator: Any) -> Any:
+            seen.append("train")
+            return function(iterator)
+
+        model.train_function = train_function
+        return train_function
+
+    internals.override(model, "make_train_function", make)
+    model.fit(*_XY, batch_size=4, verbose=0)
+    assert seen[:2] == ["make", "train"], _broken(
+        "make_train_function",
+        "fit does not call model.make_train_function() and then model.train_function(iterator)",
+        "training.prepare.Prepared.make_train_function (the StepFunction)",
+    )
+
+
+def test_evaluate_calls_the_instance_make_test_function() -> None:
+    model, seen = _compiled_functional(), []
+    original = model.make_test_function
+
+    def make(force: bool = False) -> Any:
+        seen.append("make")
+        return original(force)
+
+    internals.override(model, "make_test_function", make)
+    model.evaluate(*_XY, batch_size=4, verbose=0)
+    assert seen == ["make"], _broken(
+        "make_test_function",
+        "evaluate does not call model.make_test_function()",
+        "training.prepare.Prepared.make_test_function",
+    )
+
+
+def test_fit_calls_the_instance_maybe_symbolic_build() -> None:
+    import inspect
+
+    model, seen = _compiled_functional(), []
+    _require(model, "_maybe_symbolic_build", "override", "training.prepare.Prepared")
+    parameters = list(inspect.signature(type(model)._maybe_symbolic_build).parameters)
+    original = model._maybe_symbolic_build
+
+    def build(iterator: Any = None, data_batch: Any = None) -> None:
+        seen.append((iterator is not None, data_batch is not None))
+        original(iterator=iterator, data_batch=data_batch)
+
+    internals.override(model, "_maybe_symbolic_build", build)
+    model.fit(*_XY, batch_size=4, verbose=0)
+    model.train_on_batch(*_XY)
+    assert parameters[1:3] == ["iterator", "data_batch"] and seen[:2] == [
+        (True, False),
+        (False, True),
+    ], _broken(
+        "_maybe_symbolic_build",
+        f"calls model._maybe_symbolic_build{tuple(parameters[1:])} as {seen}, not "
+        "(iterator=...) from fit and (data_batch=...) from train_on_batch",
+        "training.prepare.Prepared.symbolic_build (the build from the element spec)",
+    )
+
+
+def test_the_instance_fit_is_what_model_fit_runs() -> None:
+    model, seen = _compiled_functional(), []
+    internals.override(model, "fit", lambda *args, **kwargs: seen.append(kwargs))
+    model.fit(*_XY, verbose=0)
+    assert seen == [{"verbose": 0}], _broken(
+        "fit", "model.fit does not run the instance's fit", "training.prepare.Prepared.fit"
+    )
+
+
+def test_train_step_calls_the_instance_compute_loss_with_x() -> None:
+    model, seen = _compiled_functional(), []
+    original = model.compute_loss
+
+    def compute_loss(*args: Any, **kwargs: Any) -> Any:
+        seen.append(args[0] if args else kwargs.get("x"))
+        return original(*args, **kwargs)
+
+    internals.override(model, "compute_loss", compute_loss)
+    model.fit(*_XY, batch_size=4, verbose=0)
+    assert seen and seen[0] is not None, _broken(
+        "compute_loss",
+        "train_step does not call model.compute_loss with x first or as x=",
+        "training.prepare.Prepared.compute_loss (0 on a replica without examples)",
+    )
+
+
+def test_fit_reads_epoch_logs_through_the_instance_get_metrics_result() -> None:
+    model, seen = _compiled_functional(metrics=["mae"]), []
+    original = model.get_metrics_result
+
+    def get_metrics_result() -> Any:
+        seen.append(1)
+        return {name: value * 0 + 7.0 for name, value in original().items()}
+
+    internals.override(model, "get_metrics_result", get_metrics_result)
+    history = model.fit(*_XY, batch_size=4, verbose=0)
+    assert seen and history.history["mae"] == [7.0], _broken(
+        "get_metrics_result",
+        "fit's epoch-end logs do not come from model.get_metrics_result()",
+        "training.prepare.Prepared.get_metrics_result (metric results read as tensors)",
+    )
+
+
+def test_the_first_call_of_an_unbuilt_model_runs_the_instance_build() -> None:
+    import functools
+
+    model, seen = keras.Sequential([keras.layers.Dense(2)]), []
+    build = model.build
+
+    @functools.wraps(build)  # as training.loop does: Keras reads build's signature
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        seen.append(args or tuple(kwargs.values()))
+        return build(*args, **kwargs)
+
+    internals.override(model, "build", recorded)
+    model(np.ones((2, 4), "float32"))
+    assert seen and model.built, _broken(
+        "build",
+        "the first call of an unbuilt model does not run model.build(shape)",
+        "training.loop._build_outside_steps (variables created outside the replica step)",
+    )
+
+
+def test_apply_gradients_calls_the_instance_apply() -> None:
+    optimizer, seen = keras.optimizers.SGD(0.1), []
+    variables = [keras.Variable(np.ones(2, "float32"))]
+    optimizer.build(variables)
+    internals.override(optimizer, "apply", lambda grads, variables=None: seen.append(len(grads)))
+    optimizer.apply_gradients([(np.ones(2, "float32"), variables[0])])
+    assert seen == [1], _broken(
+        "apply",
+        "optimizer.apply_gradients does not call optimizer.apply(grads, variables)",
+        "training.optimizer.DistributedUpdate (the all-reduce and update)",
+    )
+
+
+def test_train_step_calls_the_instance_scale_loss() -> None:
+    model = _functional()
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()), loss="mse")
+    seen, original = [], model.optimizer.scale_loss
+
+    def scale_loss(loss: Any) -> Any:
+        seen.append(loss)
+        return original(loss)
+
+    internals.override(model.optimizer, "scale_loss", scale_loss)
+    model.fit(*_XY, batch_size=4, verbose=0)
+    assert seen, _broken(
+        "scale_loss",
+        "train_step does not call model.optimizer.scale_loss(loss) on a LossScaleOptimizer",
+        "training.optimizer.DistributedUpdate.scale_loss (float16 loss divided by N)",
+    )
+
+
+def test_layer_call_runs_the_instance_call() -> None:
+    model, seen = _functional(), []
+    layer = model.get_layer("hidden")
+    original = layer.call
+    internals.override(layer, "call", lambda *a, **k: seen.append(1) or original(*a, **k))
+    model(np.ones((2, 4), "float32"))
+    assert seen == [1], _broken(
+        "call", "Layer.__call__ does not run layer.call", "training.layercalls (remat)"
+    )
+
+
+def test_metric_variables_are_per_replica_under_a_strategy() -> None:
+    # training.function reads a step's logs as model.get_metrics_result() in cross-replica
+    # context: the sum over replicas of per-replica (ON_READ) metric variables. Keras < 3.10
+    # created them mirrored (every replica's update merged into one value), and History then
+    # differed from one device's by up to 53% (issue #21).
+    with mirrored_on_cpus(2).scope():
+        metric = keras.metrics.Mean()
+    (total, *_) = metric.variables
+    synchronization = getattr(internals.backing_variable(total), "synchronization", None)
+    assert synchronization == tf.VariableSynchronization.ON_READ, (
+        f"Keras {keras.__version__} creates metric variables with {synchronization} under a "
+        "strategy, not ON_READ: training.function's logs (get_metrics_result over all "
+        "replicas) need another way to sum per-replica metric state."
+    )
+
+
+def test_experimental_get_compiler_ir_lowers_from_tensor_specs() -> None:
+    # training.xla.check_compilable refuses a model XLA cannot compile before the first step
+    # by lowering its forward and backward pass from the input's specs, running nothing.
+    function = tf.function(lambda x: x * 2.0, jit_compile=True)
+    lower = getattr(function, "experimental_get_compiler_ir", None)
+    assert lower is not None, (
+        f"TensorFlow {tf.__version__} has no Function.experimental_get_compiler_ir: "
+        "training.xla.check_compilable needs another way to compile without running"
+    )
+    try:
+        text = lower(tf.TensorSpec([2, 3], tf.float32))(stage="hlo")
+    except Exception as error:
+        pytest.fail(
+            f"TensorFlow {tf.__version__}'s experimental_get_compiler_ir no longer lowers from "
+            f"a TensorSpec ({error!r}): training.xla.check_compilable needs another way"
+        )
+    assert "multiply" in text
+
+
+def test_every_instance_override_is_tested() -> None:
+    overridden = set()
+    for path in sorted(_SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "override"
+                and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant)
+            ):
+                overridden.add(node.args[1].value)
+    assert overridden, "no internals.override(...) call found: the scan is broken"
+    untested = sorted(overridden - set(_OVERRIDES_TESTED))
+    assert untested == [], (
+        f"add a test of Keras still calling these through the instance: {untested}"
+    )
+    assert all(name in globals() for name in _OVERRIDES_TESTED.values())
+
+
 # -- nothing else reaches private names ---------------------------------------------------------
 _PRIVATE_MODULES = ("keras.src", "tensorflow.python", "tensorflow.tsl", "tensorflow.compiler")
 

@@ -659,14 +659,28 @@ def forget_collective_setup(ctx: Any) -> None:
             setattr(ctx, name, None)
 
 
+_COORDINATION_CONFIG_MODULES = (
+    "tensorflow.compiler.xla.tsl.protobuf.coordination_config_pb2",  # TensorFlow 2.21
+    "tensorflow.tsl.protobuf.coordination_config_pb2",  # TensorFlow 2.16 (and 2.18)
+)
+
+
 def coordination_config_pb2() -> Any:
-    """``tensorflow.compiler.xla.tsl.protobuf.coordination_config_pb2``: the message that
-    configures the coordination service (``CoordinatedJob``); not exported by ``tf``.
-    (``strategy/build.py``.)
+    """``tensorflow.compiler.xla.tsl.protobuf.coordination_config_pb2`` (older TensorFlow:
+    ``tensorflow.tsl.protobuf``): the message that configures the coordination service
+    (``CoordinatedJob``); not exported by ``tf``. (``strategy/build.py``.)
+
+    Raises:
+        ModuleNotFoundError: None of the known places has it (the last place's error).
     """
     import importlib
 
-    return importlib.import_module("tensorflow.compiler.xla.tsl.protobuf.coordination_config_pb2")
+    for name in _COORDINATION_CONFIG_MODULES[:-1]:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+    return importlib.import_module(_COORDINATION_CONFIG_MODULES[-1])
 
 
 # -- TensorFlow: tf.data, profiler, cluster resolvers ---------------------------------------

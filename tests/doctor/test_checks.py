@@ -168,12 +168,12 @@ CASES: dict[str, Case] = {
         "nvidia-smi hung",
     ),
     "keras/ok": (checks.check_keras_version, fakes.four_gpus, "ok", "3.15.1"),
-    "keras/old": (checks.check_keras_version, fakes.old_keras, "fail", "3.7.0 is older than 3.8"),
+    "keras/old": (checks.check_keras_version, fakes.old_keras, "fail", "3.7.0 is older than 3.10"),
     "keras/two": (
         checks.check_keras_version,
         lambda: fakes.gpu_machine(1, keras_version="2.15.0"),
         "fail",
-        "older than 3.8",
+        "older than 3.10",
     ),
     "tf-config/unset": (checks.check_tf_config, fakes.four_gpus, "ok", "unset"),
     "tf-config/empty": (

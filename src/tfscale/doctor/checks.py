@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 _GPU_WHEEL = 'pip uninstall -y tensorflow-cpu; pip install "tensorflow[and-cuda]"'
-_MIN_KERAS = (3, 8)
+_MIN_KERAS = (3, 10)  # pyproject.toml's lower bound (tests/test_versions.py)
 
 
 @dataclass(frozen=True)
@@ -280,10 +280,10 @@ def check_gpu_visibility(snapshot: Snapshot) -> CheckResult:
 
 
 def check_keras_version(snapshot: Snapshot) -> CheckResult:
-    """Fails for Keras older than 3.8 (the replica loss scaling fix) or missing."""
+    """Fails for Keras older than 3.10 (tfscale's lowest supported) or missing."""
     name = "keras-version"
     version = snapshot.keras_version
-    remedy = 'pip install -U "keras>=3.8"'
+    remedy = 'pip install -U "keras>=3.10"'
     if version is None:
         error = snapshot.errors.get("keras", "not installed")
         return CheckResult(name, "fail", f"Keras cannot be found: {error}", remedy)
@@ -291,8 +291,9 @@ def check_keras_version(snapshot: Snapshot) -> CheckResult:
         return CheckResult(
             name,
             "fail",
-            f"Keras {version} is older than 3.8, which fixed how losses are scaled across "
-            "replicas: under a strategy its gradients are wrong",
+            f"Keras {version} is older than 3.10, tfscale's lowest supported: before 3.8 "
+            "losses are scaled wrongly across replicas (wrong gradients), before 3.10 metric "
+            "variables are not per replica (History differs from one device's)",
             remedy,
         )
     return _ok(name, f"Keras {version}")

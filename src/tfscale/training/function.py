@@ -12,8 +12,10 @@ a Python function over the iterator (``keras/src/backend/tensorflow/trainer.py``
           replica_step(data)                   the model's own train_step / test_step, with
                                                its example count for the optimizer
                                                (optimizer.step_context), losses unscaled by
-                                               the replica count, layer calls recomputed or
-                                               compiled with XLA (layercalls)
+                                               the replica count, layer calls recomputed
+                                               (layercalls); with jit_compile the whole step
+                                               but the optimizer's update is one XLA cluster
+                                               (xla.py)
       logs                                     the model's metrics read over ALL replicas when
                                                the step returns them (as one device gives),
                                                else the step's outputs reduced as Keras does
@@ -39,6 +41,7 @@ from tfscale.errors import TrainingError, explain
 from tfscale.training.data import num_workers
 from tfscale.training.layercalls import layer_calls
 from tfscale.training.optimizer import step_context
+from tfscale.training.xla import check_compilable, compiled_step, is_xla_failure, xla_error
 
 __all__ = ["StepFunction", "StepTiming", "example_count"]
 
@@ -73,6 +76,11 @@ def example_count(data: Any) -> tf.Tensor:
     if first is None:
         return tf.constant(0.0)
     return tf.cast(_leading(first), tf.float32)
+
+
+def _first_replica_spec(spec: Any) -> Any:
+    components = internals.per_replica_component_specs(spec)
+    return components[0] if components else spec
 
 
 @contextlib.contextmanager
@@ -134,6 +142,7 @@ class StepFunction:
         # ExactSteps: Keras's own function runs whole executions past steps_per_epoch).
         self.limit: int | None = None
         self._metric_keys: set[str] | None = None
+        self._xla_checked = False
         # A step called in straight-line code is its own function (as Keras's
         # one_step_on_data is). Inside a cond or a while loop it is traced inline: a function
         # holding collective all-reduces (MultiWorkerMirrored, and Mirrored's default on
@@ -151,8 +160,11 @@ class StepFunction:
         # one): these switches are per thread, so a fit tracing in another thread at the
         # same time (a TaskPool's) keeps its own (#21.4).
         model = self.model
+        jit = bool(self.options.jit_compile)
         with internals.replica_count_scaling_off():
             if self.kind == "test":
+                if jit:
+                    return compiled_step(model.test_step, data, name=type(model).__name__)
                 return model.test_step(data)
             with (
                 _unprepared_optimizers_refused(),
@@ -160,7 +172,11 @@ class StepFunction:
                     example_count(data), all_reduce=self.all_reduce, options=self.options
                 ) as context,
             ):
-                outputs = model.train_step(data)
+                if jit:
+                    # Forward and backward in one XLA cluster, the update after it (xla.py).
+                    outputs = compiled_step(model.train_step, data, name=type(model).__name__)
+                else:
+                    outputs = model.train_step(data)
         if context.applied == 0 and self.options.accumulation_steps > 1:
             raise TrainingError(
                 explain(
@@ -177,10 +193,8 @@ class StepFunction:
 
     # -- cross-replica -------------------------------------------------------------------
     def _one_step(self, data: Any) -> Any:
-        options = self.options
-        jit = bool(options.jit_compile)
-        remat = bool(options.remat) and self.kind == "train"
-        with layer_calls(self.model, remat=remat, jit_compile=jit):
+        remat = bool(self.options.remat) and self.kind == "train"
+        with layer_calls(self.model, remat=remat):
             outputs = self.strategy.run(self._replica_step, args=(data,))
         if self._returns_metrics(outputs):
             return {}  # the logs are the metrics, read once at the end of the call
@@ -249,6 +263,22 @@ class StepFunction:
 
     # -- Python --------------------------------------------------------------------------
     def __call__(self, iterator: Any) -> Any:
+        if not self.options.jit_compile:
+            return self._call(iterator)
+        if not self._xla_checked:
+            spec = getattr(iterator, "element_spec", None)
+            if spec is not None and self.kind == "train":
+                check_compilable(self.model, tf.nest.map_structure(_first_replica_spec, spec))
+            self._xla_checked = True  # refused: checked again on the next call
+        try:
+            return self._call(iterator)
+        except (tf.errors.UnimplementedError, tf.errors.InvalidArgumentError) as error:
+            # What the trial compile cannot see (the loss, metrics, a train_step override).
+            if is_xla_failure(error):
+                raise xla_error(self.model, error) from None
+            raise
+
+    def _call(self, iterator: Any) -> Any:
         if not isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
             # train_on_batch / test_on_batch: a generator of undistributed batches.
             logs = None

@@ -1,8 +1,8 @@
-"""What runs in place of layers' ``call`` while a step is traced: recomputation and XLA.
+"""What runs in place of layers' ``call`` while a step is traced: recomputation.
 
-Both act on the layers of the model that the step calls, so they apply to Keras's own
-``train_step`` and to a user's override alike, and leave the loss, the all-reduce and the
-optimizer outside (an all-reduce inside an XLA cluster, or a ``merge_call``, would fail).
+It acts on the layers of the model that the step calls, so it applies to Keras's own
+``train_step`` and to a user's override alike. (XLA compiles the whole replica step instead:
+``xla.py``; compiling only the model's call fails on recurrent layers.)
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def _recomputed(call: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @contextlib.contextmanager
-def layer_calls(model: Any, *, remat: bool, jit_compile: bool) -> Iterator[None]:
+def layer_calls(model: Any, *, remat: bool) -> Iterator[None]:
     """Replaces layer calls while the code inside traces a step.
 
     Args:
@@ -38,10 +38,6 @@ def layer_calls(model: Any, *, remat: bool, jit_compile: bool) -> Iterator[None]
             arguments only when eager execution is enabled" (keras-team/keras#21207). So each
             leaf layer's ``call`` is wrapped in ``tf.recompute_grad`` with its keyword
             arguments bound.
-        jit_compile: Compile the model's forward pass, and with it its gradient, with XLA.
-            Keras compiles its whole step function instead, which under a strategy holds the
-            all-reduce (and ``jit_compile="auto"`` turns XLA off there); here the collectives
-            stay outside the compiled cluster.
     """
     replaced: list[Any] = []
     if remat:
@@ -49,9 +45,6 @@ def layer_calls(model: Any, *, remat: bool, jit_compile: bool) -> Iterator[None]
             if not internals.flatten_layers(layer, include_self=False) and layer.weights:
                 internals.override(layer, "call", _recomputed(layer.call))
                 replaced.append(layer)
-    if jit_compile:
-        internals.override(model, "call", tf.function(model.call, jit_compile=True))
-        replaced.append(model)
     try:
         yield
     finally:

@@ -49,6 +49,7 @@ import tensorflow as tf
 
 from tfscale import internals
 from tfscale.errors import TrainingError, explain
+from tfscale.training import xla
 from tfscale.training.allreduce import all_reduce_packed
 from tfscale.training.conventions import record_scaled
 
@@ -309,6 +310,8 @@ class DistributedUpdate:
 
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> Any:
         """The optimizer's ``apply`` (see the module docstring)."""
+        if xla.defer(self, grads, trainable_variables):
+            return None  # traced inside a step compiled with XLA: applied after it (xla.py)
         context = tf.distribute.get_replica_context()
         if context is None:
             # Cross-replica context (an eager call outside strategy.run): Keras's own path.

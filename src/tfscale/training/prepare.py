@@ -122,6 +122,7 @@ class Prepared:
         internals.override(model, "_maybe_symbolic_build", self.symbolic_build)
         internals.override(model, "fit", self.fit)
         internals.override(model, "compute_loss", self.compute_loss)
+        internals.override(model, "get_metrics_result", self.get_metrics_result)
 
     # -- state ---------------------------------------------------------------------------
     def updates(self) -> list[DistributedUpdate]:
@@ -192,6 +193,18 @@ class Prepared:
         if loss is None or x is None:
             return loss
         return tf.where(example_count((x,)) > 0, loss, tf.zeros_like(loss))
+
+    def get_metrics_result(self) -> Any:
+        """Keras's ``get_metrics_result`` of the model (its class's), each value a tensor.
+
+        A metric whose ``result()`` is one of its own variables (keras-io's ``TruePositives``
+        returns ``self.count``) gives Keras's epoch-end logs that variable; under a strategy
+        it is per replica, and Keras 3.10 cannot turn it into a number (``float()`` of a
+        ``SyncOnReadVariable``), so History kept the variable. Read here, in cross-replica
+        context, it is the sum over replicas, as one device's count.
+        """
+        results = type(self.model).get_metrics_result(self.model)
+        return tf.nest.map_structure(tf.convert_to_tensor, results)
 
     def make_test_function(self, force: bool = False) -> Any:
         """Keras's ``make_test_function``, building tfscale's :class:`StepFunction`."""

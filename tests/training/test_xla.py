@@ -1,0 +1,228 @@
+"""jit_compile=True compiles each replica's whole step (forward and backward) with XLA and
+applies the update outside it (training/xla.py): recurrent, attention and convolution models
+train to the weights of Keras's own one-device jit run; a model XLA cannot compile is
+refused before the first step, naming its layer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfscale
+from tfscale.errors import TrainingError
+from tfscale.testing import relative_difference
+
+from .helpers import strategy_for
+
+pytestmark = pytest.mark.tf
+
+STEPS, BATCH, LENGTH, VOCAB, CLASSES = 3, 8, 6, 20, 3
+
+
+def _tokens() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(3)
+    return (
+        rng.integers(0, VOCAB, (STEPS * BATCH, LENGTH)).astype("int32"),
+        rng.integers(0, CLASSES, (STEPS * BATCH,)).astype("int32"),
+    )
+
+
+def _images() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(4)
+    return (
+        rng.normal(size=(STEPS * BATCH, 6, 6, 1)).astype("float32"),
+        rng.integers(0, CLASSES, (STEPS * BATCH,)).astype("int32"),
+    )
+
+
+def _init(seed: int) -> Any:
+    return keras.initializers.GlorotUniform(seed)
+
+
+def _recurrent(cell: type) -> keras.Model:
+    inputs = keras.Input((LENGTH,), dtype="int32")
+    h = keras.layers.Embedding(VOCAB, 4, embeddings_initializer=_init(1))(inputs)
+    h = cell(4, kernel_initializer=_init(2), recurrent_initializer=_init(3))(h)
+    return keras.Model(inputs, keras.layers.Dense(CLASSES, kernel_initializer=_init(4))(h))
+
+
+def _lstm_gru() -> keras.Model:
+    inputs = keras.Input((LENGTH,), dtype="int32")
+    h = keras.layers.Embedding(VOCAB, 4, embeddings_initializer=_init(1))(inputs)
+    h = keras.layers.LSTM(
+        4, return_sequences=True, kernel_initializer=_init(2), recurrent_initializer=_init(3)
+    )(h)
+    h = keras.layers.GRU(4, kernel_initializer=_init(5), recurrent_initializer=_init(6))(h)
+    return keras.Model(inputs, keras.layers.Dense(CLASSES, kernel_initializer=_init(4))(h))
+
+
+def _transformer() -> keras.Model:
+    inputs = keras.Input((LENGTH,), dtype="int32")
+    h = keras.layers.Embedding(VOCAB, 8, embeddings_initializer=_init(1))(inputs)
+    # No biases: the key projection's bias has a gradient of zero up to rounding (softmax
+    # ignores a shift), so its weights are rounding noise, which no tolerance compares.
+    attention = keras.layers.MultiHeadAttention(2, 4, use_bias=False, kernel_initializer=_init(2))
+    attended = attention(h, h)
+    h = keras.layers.LayerNormalization()(h + attended)
+    h = keras.layers.Dense(8, activation="relu", kernel_initializer=_init(3))(h)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    return keras.Model(inputs, keras.layers.Dense(CLASSES, kernel_initializer=_init(4))(h))
+
+
+def _conv() -> keras.Model:
+    inputs = keras.Input((6, 6, 1))
+    h = keras.layers.Conv2D(4, 3, activation="relu", kernel_initializer=_init(1))(inputs)
+    # No batch normalization: per-replica batch statistics differ from one device's by
+    # design (sync_batchnorm=True makes them global).
+    h = keras.layers.MaxPooling2D()(h)
+    h = keras.layers.Flatten()(h)
+    return keras.Model(inputs, keras.layers.Dense(CLASSES, kernel_initializer=_init(2))(h))
+
+
+MODELS: dict[str, tuple[Callable[[], keras.Model], Callable[[], Any]]] = {
+    "lstm": (lambda: _recurrent(keras.layers.LSTM), _tokens),
+    "gru": (lambda: _recurrent(keras.layers.GRU), _tokens),
+    "lstm+gru": (_lstm_gru, _tokens),
+    "transformer": (_transformer, _tokens),
+    "conv": (_conv, _images),
+}
+
+
+def _compiled(name: str, jit_compile: bool | str) -> keras.Model:
+    model = MODELS[name][0]()
+    model.compile(
+        # SGD: Adam turns a gradient that is zero up to rounding (attention's key bias) into
+        # a full step whose sign is that rounding's.
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        jit_compile=jit_compile,
+    )
+    return model
+
+
+_KERAS: dict[str, list[np.ndarray]] = {}
+
+
+def _keras_jit(name: str) -> list[np.ndarray]:
+    """Keras's own fit with compile(jit_compile=True) on one device: the reference."""
+    if name not in _KERAS:
+        x, y = MODELS[name][1]()
+        with tf.device("/device:CPU:0"):
+            model = _compiled(name, True)
+            model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+        _KERAS[name] = model.get_weights()
+    return _KERAS[name]
+
+
+def _data(name: str) -> tf.data.Dataset:
+    x, y = MODELS[name][1]()
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("replicas", [0, 2])
+def test_jit_trains_to_the_weights_of_keras_one_device_jit(name: str, replicas: int) -> None:
+    strategy = strategy_for(replicas)
+    with strategy.scope():
+        model = _compiled(name, False)
+    history = tfscale.fit(model, _data(name), strategy=strategy, jit_compile=True, verbose=0)
+    assert model.train_function.options.jit_compile
+    assert relative_difference(model.get_weights(), _keras_jit(name)) <= 1e-4
+    assert np.isfinite(history.history["loss"]).all()
+
+
+def test_compile_jit_compile_true_is_the_same_option() -> None:
+    strategy = strategy_for(2)
+    with strategy.scope():
+        model = _compiled("lstm+gru", True)
+    tfscale.fit(model, _data("lstm+gru"), strategy=strategy, verbose=0)
+    assert model.train_function.options.jit_compile
+    assert relative_difference(model.get_weights(), _keras_jit("lstm+gru")) <= 1e-4
+    logs = model.evaluate(_data("lstm+gru"), verbose=0, return_dict=True)  # compiled test step
+    assert np.isfinite(logs["loss"])
+
+
+class _HostCall(keras.layers.Layer):
+    """A layer running Python on the host: XLA cannot compile tf.numpy_function."""
+
+    def call(self, x: Any) -> Any:
+        return tf.ensure_shape(tf.numpy_function(lambda a: a, [x], tf.float32), x.shape)
+
+    def compute_output_shape(self, shape: Any) -> Any:
+        return shape
+
+
+def test_a_model_xla_cannot_compile_is_refused_before_the_first_step_naming_the_layer() -> None:
+    strategy = strategy_for(2)
+    with strategy.scope():
+        inputs = keras.Input((4,))
+        h = _HostCall(name="on_the_host")(keras.layers.Dense(3)(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(1)(h))
+        model.compile(optimizer="sgd", loss="mse")
+    before = model.get_weights()
+    data = tf.data.Dataset.from_tensor_slices(
+        (np.ones((8, 4), "float32"), np.ones((8, 1), "float32"))
+    ).batch(4)
+    seen: list[int] = []
+    callback = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(1))
+    with pytest.raises(TrainingError, match=r"layer 'on_the_host' \(_HostCall\)") as raised:
+        tfscale.fit(model, data, strategy=strategy, jit_compile=True, callbacks=[callback])
+    assert "jit_compile=False" in str(raised.value)
+    assert seen == []
+    assert relative_difference(model.get_weights(), before) == 0.0
+    assert int(model.optimizer.iterations.numpy()) == 0
+
+
+def test_a_train_step_applying_twice_is_refused_under_jit() -> None:
+    class TwoUpdates(keras.Model):
+        def train_step(self, data: Any) -> Any:
+            x, y = data
+            for _ in range(2):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
+                grads = tape.gradient(loss, self.trainable_variables)
+                self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
+            return {"loss": loss}
+
+    strategy = strategy_for(0)
+    with strategy.scope():
+        inputs = keras.Input((4,))
+        model = TwoUpdates(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+    data = tf.data.Dataset.from_tensor_slices(
+        (np.ones((8, 4), "float32"), np.ones((8, 1), "float32"))
+    ).batch(4)
+    with pytest.raises(TrainingError, match="applies gradients 2 times"):
+        tfscale.fit(model, data, strategy=strategy, jit_compile=True, verbose=0)
+
+
+def test_what_the_trial_cannot_see_is_refused_at_the_first_step_before_any_update() -> None:
+    class HostLoss(keras.Model):
+        def train_step(self, data: Any) -> Any:
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
+            host = tf.ensure_shape(tf.numpy_function(lambda a: a, [loss], tf.float32), [])
+            return {"loss": loss, "host": host}
+
+    strategy = strategy_for(2)
+    with strategy.scope():
+        inputs = keras.Input((4,))
+        model = HostLoss(inputs, keras.layers.Dense(1)(inputs))
+        model.compile(optimizer="sgd", loss="mse")
+    before = model.get_weights()
+    data = tf.data.Dataset.from_tensor_slices(
+        (np.ones((8, 4), "float32"), np.ones((8, 1), "float32"))
+    ).batch(4)
+    with pytest.raises(TrainingError, match="an op outside the model's layers"):
+        tfscale.fit(model, data, strategy=strategy, jit_compile=True, verbose=0)
+    assert relative_difference(model.get_weights(), before) == 0.0
+    assert int(model.optimizer.iterations.numpy()) == 0
