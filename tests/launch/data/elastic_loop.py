@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import signal
+from collections.abc import Callable
 
 import keras
 import numpy as np
@@ -47,7 +48,7 @@ def make_data() -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def make_dataset(start: int):  # type: ignore[no-untyped-def]
+def make_dataset(start: int) -> Callable[[tf.distribute.InputContext], tf.data.Dataset]:
     """The ``input_fn`` of ``distribute_datasets_from_function``, from global batch ``start``."""
 
     def input_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
