@@ -1,11 +1,13 @@
 """Elastic jobs that train: ``tfscale launch -n 3 --min-workers 2 --max-restarts 2`` whose
 worker 2 is SIGKILLed in epoch 2 on every start with 3 workers ends on 2 workers with the
 weights of the uninterrupted 3-worker run, for shuffled arrays, a tf.data pipeline and a
-dataset_fn (tests/launch/data/elastic_train.py).
+dataset_fn (tests/launch/data/elastic_train.py), and for a custom training loop with
+tfscale.prepare_loop and tf.train.CheckpointManager (tests/launch/data/elastic_loop.py).
 
 The jobs start together in one module fixture (as test_jobs.py's): the uninterrupted
-reference (the three inputs one after the other in one 3-worker job) and one elastic job
-per input: 3 attempts of 3 workers, then 2 workers.
+reference (the three inputs one after the other in one 3-worker job), one elastic job
+per input (3 attempts of 3 workers, then 2 workers), and the custom loop's uninterrupted
+reference and elastic job.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ pytestmark = [
 
 _ROOT = Path(__file__).resolve().parents[2]
 _SCRIPT = str(Path(__file__).parent / "data" / "elastic_train.py")
+_LOOP = str(Path(__file__).parent / "data" / "elastic_loop.py")
 _KINDS = ("arrays", "tfdata", "dataset_fn")
 _TIMEOUT = 900.0
 # 10 updates per epoch (480 examples, global batch 48), checkpoints every 4 updates and at
@@ -96,6 +99,17 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Job]]:
              "--data", kind, "--out", str(folder / "w"), "--checkpoint-dir", str(folder / "ck"),
              "--kill-after", str(_KILL_AFTER), "--record", str(folder)],
         )  # fmt: skip
+    # The custom loop: checkpoints every 4 steps, worker 2 dies after step 26 (epoch 2 of 4).
+    started["loop_reference"] = _start(
+        root / "loop_reference", ["-n", "3", _LOOP, "--out", str(root / "loop_reference/w.npz")]
+    )
+    folder = root / "loop"
+    started["loop"] = _start(
+        folder,
+        ["-n", "3", "--min-workers", "2", "--max-restarts", "2", _LOOP,
+         "--out", str(folder / "w.npz"), "--checkpoint-dir", str(folder / "ck"),
+         "--kill-after", str(_KILL_AFTER), "--record", str(folder)],
+    )  # fmt: skip
     deadline = time.time() + _TIMEOUT
     try:
         for job in started.values():
@@ -113,11 +127,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Job]]:
     yield started
 
 
-@pytest.mark.parametrize("kind", _KINDS)
-def test_job_losing_worker_2_finishes_on_2_with_the_uninterrupted_weights(
-    jobs: dict[str, _Job], kind: str
-) -> None:
-    reference, job = jobs["reference"], jobs[kind]
+def _check_dropped_worker_2(reference: _Job, job: _Job) -> None:
+    """Both jobs exited 0; ``job`` lost worker 2 on 3 starts, resumed, finished on 2."""
     assert reference.process.returncode == 0, reference.stderr[-3000:]
     assert job.process.returncode == 0, job.stderr[-3000:]
     assert job.stderr.strip().splitlines()[-1] == (
@@ -131,12 +142,33 @@ def test_job_losing_worker_2_finishes_on_2_with_the_uninterrupted_weights(
     ]  # fmt: skip
     assert [records[f"worker0-{a}"]["workers"] for a in range(4)] == [3, 3, 3, 2]
     assert [records[f"worker1-{a}"]["start_step"] for a in range(4)] == [0] + [_RESUMED_AT] * 3
+
+
+@pytest.mark.parametrize("kind", _KINDS)
+def test_job_losing_worker_2_finishes_on_2_with_the_uninterrupted_weights(
+    jobs: dict[str, _Job], kind: str
+) -> None:
+    reference, job = jobs["reference"], jobs[kind]
+    _check_dropped_worker_2(reference, job)
     assert f"[worker 0] {kind} on 2 workers: done" in job.stdout
     difference = relative_difference(
         job.weights(f"w-{kind}.npz"), reference.weights(f"w-{kind}.npz")
     )
     assert len(job.pids) == 11 and _groups_alive(job.pids) == []  # every attempt stopped
     print(f"{kind}: relative difference to the uninterrupted 3-worker run {difference:.2e}")
+    assert difference <= 1e-5, difference
+
+
+def test_custom_loop_losing_worker_2_finishes_on_2_with_the_uninterrupted_weights(
+    jobs: dict[str, _Job],
+) -> None:
+    """tfscale.prepare_loop, CheckpointManager every 4 steps, resume by skipping batches."""
+    reference, job = jobs["loop_reference"], jobs["loop"]
+    _check_dropped_worker_2(reference, job)
+    assert f"[worker 0] loop on 2 workers from step {_RESUMED_AT}: done" in job.stdout
+    difference = relative_difference(job.weights("w.npz"), reference.weights("w.npz"))
+    assert len(job.pids) == 11 and _groups_alive(job.pids) == []  # every attempt stopped
+    print(f"custom loop: relative difference to the uninterrupted 3-worker run {difference:.2e}")
     assert difference <= 1e-5, difference
 
 
