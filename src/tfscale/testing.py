@@ -22,6 +22,7 @@ __all__ = [
     "alive",
     "child_pids",
     "descendants",
+    "groups_alive",
     "mirrored_on_cpus",
     "relative_difference",
     "run_python",
@@ -113,6 +114,23 @@ def descendants(pid: int) -> set[int]:
             if child not in found and alive(child):
                 found.add(child)
                 frontier.append(child)
+    return found
+
+
+def groups_alive(pgids: list[int]) -> list[int]:
+    """Pids of live (not zombie) processes whose process group is one of ``pgids``, from
+    /proc: what is left of a job whose tasks each ran in their own group."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) in pgids:
+            found.append(int(entry))
     return found
 
 

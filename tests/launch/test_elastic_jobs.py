@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tfscale.testing import relative_difference
+from tfscale.testing import groups_alive, relative_difference
 
 # One worker runs this module (make test: --dist loadgroup), so its module fixture runs once.
 pytestmark = [
@@ -154,7 +154,7 @@ def test_job_losing_worker_2_finishes_on_2_with_the_uninterrupted_weights(
     difference = relative_difference(
         job.weights(f"w-{kind}.npz"), reference.weights(f"w-{kind}.npz")
     )
-    assert len(job.pids) == 11 and _groups_alive(job.pids) == []  # every attempt stopped
+    assert len(job.pids) == 11 and groups_alive(job.pids) == []  # every attempt stopped
     print(f"{kind}: relative difference to the uninterrupted 3-worker run {difference:.2e}")
     assert difference <= 1e-5, difference
 
@@ -167,22 +167,6 @@ def test_custom_loop_losing_worker_2_finishes_on_2_with_the_uninterrupted_weight
     _check_dropped_worker_2(reference, job)
     assert f"[worker 0] loop on 2 workers from step {_RESUMED_AT}: done" in job.stdout
     difference = relative_difference(job.weights("w.npz"), reference.weights("w.npz"))
-    assert len(job.pids) == 11 and _groups_alive(job.pids) == []  # every attempt stopped
+    assert len(job.pids) == 11 and groups_alive(job.pids) == []  # every attempt stopped
     print(f"custom loop: relative difference to the uninterrupted 3-worker run {difference:.2e}")
     assert difference <= 1e-5, difference
-
-
-def _groups_alive(pgids: list[int]) -> list[int]:
-    """Pids of live processes whose process group is one of ``pgids``."""
-    alive = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[2]) in pgids:
-            alive.append(int(entry))
-    return alive

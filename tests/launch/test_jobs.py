@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from tfscale.chatter import is_chatter
-from tfscale.testing import mirrored_on_cpus, relative_difference
+from tfscale.testing import groups_alive, mirrored_on_cpus, relative_difference
 
 # One worker runs this module (make test: --dist loadgroup), so its module fixture runs once.
 pytestmark = [
@@ -83,22 +83,6 @@ def _finish(job: _Job, deadline: float) -> None:
         os.killpg(job.process.pid, 9)  # the launcher; its tasks die with it (process layer)
         job.process.communicate()
         raise
-
-
-def _groups_alive(pgids: list[int]) -> list[int]:
-    """Pids of live processes whose process group is one of ``pgids``."""
-    alive = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[2]) in pgids:
-            alive.append(int(entry))
-    return alive
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +188,7 @@ def test_two_workers_equal_mirrored_over_two_logical_cpus(
     # Run with CUDA_VISIBLE_DEVICES=-1, which CUDA reads as "no GPU": trained on CPUs.
     records = [json.loads(p.read_text()) for p in job.out_dir.glob("worker*-0.json")]
     assert [r["cuda_visible_devices"] for r in records] == ["-1", "-1"]
-    assert _groups_alive(job.pids) == []
+    assert groups_alive(job.pids) == []
 
 
 def test_sigkilled_worker_stops_the_other_restarts_and_resumes(jobs: dict[str, _Job]) -> None:
@@ -223,7 +207,7 @@ def test_sigkilled_worker_stops_the_other_restarts_and_resumes(jobs: dict[str, _
     assert difference <= 1e-6, difference
     pids = job.pids  # the process groups the launcher reports (each task's guard's pid)
     assert len(pids) == 4 and {r["pgid"] for r in records.values()} == set(pids)
-    assert _groups_alive(pids) == []
+    assert groups_alive(pids) == []
 
 
 def test_keras_model_fit_under_multi_worker_trains_with_one_added_line(
@@ -245,7 +229,7 @@ def test_keras_model_fit_under_multi_worker_trains_with_one_added_line(
         reference.fit(keras_fit.dataset(), epochs=2, verbose=0)
     difference = relative_difference(_weights(job.out_dir / "w.npz"), reference.get_weights())
     assert difference <= 1e-5, difference
-    assert _groups_alive(job.pids) == []
+    assert groups_alive(job.pids) == []
 
 
 def test_parameter_server_cluster_trains_to_a_lower_loss(jobs: dict[str, _Job]) -> None:
@@ -258,7 +242,7 @@ def test_parameter_server_cluster_trains_to_a_lower_loss(jobs: dict[str, _Job]) 
     assert "does not support: accumulation_steps, global_clipnorm" in result["refused"]
     for label in ("worker 0", "worker 1", "ps 0"):
         assert f"[{label}] serving {label}" in job.stdout
-    assert len(job.pids) == 4 and _groups_alive(job.pids) == []
+    assert len(job.pids) == 4 and groups_alive(job.pids) == []
 
 
 @pytest.mark.parametrize("seed", sorted(_SEEDS))
@@ -274,4 +258,4 @@ def test_unchanged_seed_scripts_never_exit_0_and_the_last_line_says_why(
         assert "tfscale.prepare(model)" in last
     assert "Traceback" not in job.stdout + job.stderr
     assert "restarting the job" not in job.stderr  # the same script would do the same again
-    assert _groups_alive(job.pids) == []
+    assert groups_alive(job.pids) == []
