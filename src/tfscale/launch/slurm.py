@@ -29,6 +29,16 @@ from tfscale.processes import replace_process
 
 __all__ = ["DEFAULT_SLURM_PORT", "exec_slurm_task", "sbatch_script", "slurm_task_env"]
 
+# The sbatch loops' stop: a step whose worker trained alone (status 78, or a verdict file in
+# the report folder) is never restarted, as the local supervisor never restarts it.
+_STOP_IF_ALONE = [
+    '    if [ "$status" = 78 ] || compgen -G "$TFSCALE_LAUNCH_REPORT_DIR/*.json" >/dev/null; then',
+    '        echo "tfscale: a worker did not train with the others (why: above); not'
+    ' restarting" >&2',
+    "        exit 78",
+    "    fi",
+]
+
 
 def slurm_task_env(
     env: Mapping[str, str],
@@ -173,12 +183,7 @@ def sbatch_script(
         "    srun --kill-on-bad-exit=1 tfscale launch --slurm"
         f" --port {port_base} {shlex.join(script)} && exit 0",
         "    status=$?",
-        '    if [ "$status" = 78 ] ||'
-        ' compgen -G "$TFSCALE_LAUNCH_REPORT_DIR/*.json" >/dev/null; then',
-        '        echo "tfscale: a worker did not train with the others (why: above); not'
-        ' restarting" >&2',
-        "        exit 78",
-        "    fi",
+        *_STOP_IF_ALONE,
         '    echo "tfscale: job step failed (status $status), attempt $attempt" >&2',
         "done",
         'exit "$status"',
@@ -229,12 +234,7 @@ def _elastic_loop(
         f"        {decide}",
         "        exit 0",
         "    fi",
-        '    if [ "$status" = 78 ] ||'
-        ' compgen -G "$TFSCALE_LAUNCH_REPORT_DIR/*.json" >/dev/null; then',
-        '        echo "tfscale: a worker did not train with the others (why: above); not'
-        ' restarting" >&2',
-        "        exit 78",
-        "    fi",
+        *_STOP_IF_ALONE,
         '    echo "tfscale: job step failed (status $status), attempt $attempt" >&2',
         f'    OPTIONS=$({decide} --step-attempt "$attempt") || exit "$status"',
         "    attempt=$((attempt + 1))",
