@@ -97,14 +97,6 @@ _GATE = _TensorFlowGate()
 sys.meta_path.insert(0, _GATE)  # type: ignore[arg-type]
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Longest first: the tests marked ``slow`` (launched jobs, worker runs, the parity suite)
-    are handed out before the rest, so the two processes end together on short tests instead
-    of one waiting for the other's late multi-worker job. The sort is stable: a module's
-    tests keep their order, and a module marked slow as a whole stays together."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 def pytest_collectstart(collector: pytest.Collector) -> None:
     """Under ``-m "not tf"``, a test module that imports TensorFlow without being marked
     ``tf`` as a whole fails to collect, naming the marker."""
