@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ import pytest
 
 import tfscale
 from tfscale.cluster import ClusterConfig, parse_tf_config, tf_config
+from tfscale.launch.ports import free_ports
 from tfscale.strategy import StrategyFacts, decide, gather_facts, normalize_device
 from tfscale.testing import run_python
 
@@ -275,17 +275,6 @@ def test_malformed_tf_config_raises_instead_of_falling_back(
 # ---------------------------------------------------------------- real, child processes
 
 
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 _FALLBACK_CHILD = """
 import json, os, socket, warnings
 taken = socket.socket()
@@ -331,7 +320,7 @@ def _result(stdout: str) -> dict[str, object]:
 @pytest.mark.multiprocess
 def test_real_construction_failures_fall_back_and_strict_raises() -> None:
     """Two real ways MultiWorkerMirroredStrategy fails to build, in one child process."""
-    result = run_python(_FALLBACK_CHILD, env={"OTHER_PORT": str(_free_ports(1)[0])}, timeout=120)
+    result = run_python(_FALLBACK_CHILD, env={"OTHER_PORT": str(free_ports(1)[0])}, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     out: dict[str, Any] = _result(result.stdout)
     strict = out["strict"]
@@ -364,7 +353,7 @@ print("RESULT " + json.dumps({"kind": choice.kind, "replicas": choice.num_replic
 
 @pytest.mark.multiprocess
 def test_real_two_worker_multi_worker_mirrored() -> None:
-    workers = [f"127.0.0.1:{port}" for port in _free_ports(2)]
+    workers = [f"127.0.0.1:{port}" for port in free_ports(2)]
 
     def worker(index: int) -> dict[str, object]:
         env = {

@@ -23,6 +23,7 @@ __all__ = [
     "child_pids",
     "descendants",
     "groups_alive",
+    "in_process_parameter_servers",
     "mirrored_on_cpus",
     "relative_difference",
     "run_python",
@@ -149,6 +150,36 @@ def child_pids(pid: int | None = None) -> set[int]:
         except OSError:
             continue
     return found
+
+
+_SERVERS: list[Any] = []  # kept alive as long as the process: a stopped server ends the cluster
+
+
+def in_process_parameter_servers(workers: int = 1, ps: int = 1) -> Any:
+    """A ParameterServerStrategy over ``workers`` worker and ``ps`` ps servers started in
+    this process on free ports of 127.0.0.1 (TensorFlow's in-process cluster, as its own
+    parameter-server tests build it). Worker servers run 3 inter-op threads, so a worker can
+    run a scheduled step while it serves a variable read."""
+    import tensorflow as tf
+
+    from tfscale.launch.ports import free_ports
+
+    ports = free_ports(workers + ps)
+    spec = tf.train.ClusterSpec(
+        {
+            "worker": [f"localhost:{p}" for p in ports[:workers]],
+            "ps": [f"localhost:{p}" for p in ports[workers:]],
+        }
+    )
+    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=3)
+    for index in range(workers):
+        _SERVERS.append(
+            tf.distribute.Server(spec, "worker", task_index=index, protocol="grpc", config=config)
+        )
+    for index in range(ps):
+        _SERVERS.append(tf.distribute.Server(spec, "ps", task_index=index, protocol="grpc"))
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(spec, rpc_layer="grpc")
+    return tf.distribute.ParameterServerStrategy(resolver)
 
 
 _MIRRORED: dict[int, Any] = {}

@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tfscale.launch.ports import free_ports
 from tfscale.processes import Child, Completed, run, start
 from tfscale.testing import alive
 
@@ -185,17 +186,6 @@ def _wait_until(ready: Callable[[], bool], timeout: float) -> bool:
         time.sleep(0.2)
 
 
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def free_port_bases(count: int, width: int) -> list[int]:
     """``count`` first ports, each with the ``width`` ports from it free on 127.0.0.1 now."""
     bases: list[int] = []
@@ -301,7 +291,7 @@ def start_cluster() -> SlurmCluster:
     key.chmod(0o400)
     node = socket.gethostname().split(".")[0]
     conf = root / "slurm.conf"
-    conf.write_text(_slurm_conf(root, node, _node_cpus(env), _free_ports(2)))
+    conf.write_text(_slurm_conf(root, node, _node_cpus(env), free_ports(2)))
     env["SLURM_CONF"] = str(conf)
     cluster = SlurmCluster(root, env, node)
     daemons = [

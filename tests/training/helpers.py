@@ -16,6 +16,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfscale.launch.ports import free_ports
 from tfscale.testing import mirrored_on_cpus
 from tfscale.workloads import build_model, synthetic_classification
 
@@ -84,19 +85,6 @@ def reference_weights(
                 grads, _ = tf.clip_by_global_norm(grads, global_clipnorm)
             model.optimizer.apply(grads, model.trainable_variables)
         return model.get_weights()
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` ports of 127.0.0.1 free at the time of asking."""
-    import socket
-
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def run_workers(code: str, args: list[str], workers: int = 2, timeout: float = 300.0) -> list[str]:

@@ -92,17 +92,9 @@ import contextlib, io, json, sys, tempfile
 from pathlib import Path
 import keras, numpy as np, tensorflow as tf
 import tfscale
-from tfscale.launch.ports import free_ports
+from tfscale.testing import in_process_parameter_servers
 
-ports = free_ports(3)
-spec = tf.train.ClusterSpec({"worker": [f"localhost:{p}" for p in ports[:2]],
-                             "ps": [f"localhost:{ports[2]}"]})
-servers = [tf.distribute.Server(spec, job_name="worker", task_index=i, protocol="grpc",
-                                config=tf.compat.v1.ConfigProto(inter_op_parallelism_threads=3))
-           for i in range(2)]
-servers.append(tf.distribute.Server(spec, job_name="ps", task_index=0, protocol="grpc"))
-strategy = tf.distribute.ParameterServerStrategy(
-    tf.distribute.cluster_resolver.SimpleClusterResolver(spec, rpc_layer="grpc"))
+strategy = in_process_parameter_servers(workers=2)
 rng = np.random.default_rng(0)
 x = rng.normal(size=(64, 4)).astype("float32")
 y = (x[:, :1] > 0).astype("float32")
