@@ -108,8 +108,19 @@ def test_stopped_after_epoch_2_of_4_and_resumed_equals_uninterrupted(
     )
 
 
+@pytest.mark.parametrize(
+    "crash_epoch",
+    [
+        1,  # update 14 of 4 epochs; last checkpoint at 12
+        # The resumed fit runs one epoch, the last: it must still batch the arrays in that
+        # epoch's order of the run it continues, not in Keras's own shuffle (found by the
+        # restart loop of the sbatch script on a real Slurm cluster, test_slurm_cluster.py).
+        EPOCHS - 1,
+    ],
+    ids=["mid-run", "last-epoch"],
+)
 def test_crash_mid_epoch_resumes_from_the_last_step_checkpoint(
-    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+    crash_epoch: int, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     x, y = DATA
     strategy = strategy_for(2)
@@ -123,50 +134,7 @@ def test_crash_mid_epoch_resumes_from_the_last_step_checkpoint(
             batch_size=32,
             epochs=EPOCHS,
             checkpoint_dir=config,
-            callbacks=[_Crash(epoch=1, batch=5)],  # update 14; last checkpoint at 12
-            strategy=strategy,
-            verbose=0,
-        )
-    resumed = tiny_model(strategy, "adam", lr=0.01)
-    tfscale.fit(
-        resumed,
-        x,
-        y,
-        batch_size=32,
-        epochs=EPOCHS,
-        checkpoint_dir=config,
-        strategy=strategy,
-        verbose=0,
-    )
-    assert int(resumed.optimizer.iterations.numpy()) == EPOCHS * len(x) // 32
-    assert (
-        relative_difference(
-            resumed.get_weights(), _uninterrupted(tmp_path_factory.mktemp("uninterrupted"))
-        )
-        <= 1e-5
-    )
-
-
-@pytest.mark.tf
-def test_crash_in_the_last_epoch_resumes_with_that_epochs_batches(
-    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    """The resumed fit runs one epoch, the last: it must still batch the arrays in that
-    epoch's order of the run it continues, not in Keras's own shuffle (found by the restart
-    loop of the sbatch script on a real Slurm cluster, tests/launch/test_slurm_cluster.py)."""
-    x, y = DATA
-    strategy = strategy_for(2)
-    config = CheckpointConfig(str(tmp_path), every_steps=3)
-    keras.utils.set_random_seed(SEED)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        tfscale.fit(
-            tiny_model(strategy, "adam", lr=0.01),
-            x,
-            y,
-            batch_size=32,
-            epochs=EPOCHS,
-            checkpoint_dir=config,
-            callbacks=[_Crash(epoch=EPOCHS - 1, batch=5)],
+            callbacks=[_Crash(epoch=crash_epoch, batch=5)],
             strategy=strategy,
             verbose=0,
         )
@@ -181,7 +149,7 @@ def test_crash_in_the_last_epoch_resumes_with_that_epochs_batches(
         strategy=strategy,
         verbose=0,
     )
-    assert history.epoch == [EPOCHS - 1]
+    assert history.epoch == list(range(crash_epoch, EPOCHS))
     assert int(resumed.optimizer.iterations.numpy()) == EPOCHS * len(x) // 32
     assert (
         relative_difference(
