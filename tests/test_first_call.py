@@ -60,5 +60,6 @@ def test_first_public_call_with_virtual_devices_in_the_environment(name: str) ->
     )
     result = run_python(code, virtual_devices=2, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
-    if "logical CPUs:" in result.stdout:
+    # Every call starts TensorFlow (a bare lookup may not): then it has the 2 devices asked for.
+    if name in _CALLS or "logical CPUs:" in result.stdout:
         assert result.stdout.strip().splitlines()[-1] == "logical CPUs: 2", result.stdout
