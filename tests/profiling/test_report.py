@@ -73,6 +73,7 @@ _CHROMIUM = (
 
 
 # .ci/run installs Chromium, so CI renders the page; elsewhere its absence is a skip.
+@pytest.mark.multiprocess
 @pytest.mark.skipif(
     _CHROMIUM is None and not os.environ.get("CI"),
     reason="no Chromium/Chrome to render the HTML headless (apt-get install chromium)",

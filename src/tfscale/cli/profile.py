@@ -207,7 +207,11 @@ def _profile_workers(
                 output_dir=scratch,
                 log=lambda line: None,
             )
-        if done.exit_code != 0 and not os.path.isdir(parts):
+        # A worker makes the folder when it starts, so look for the parts themselves.
+        written = os.path.isdir(parts) and any(
+            name.startswith("worker-") and name.endswith(".json") for name in os.listdir(parts)
+        )
+        if done.exit_code != 0 and not written:
             failure = done.failures[-1] if done.failures else None
             label = failure.label if failure else "worker 0"
             try:
