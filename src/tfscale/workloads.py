@@ -1,7 +1,11 @@
 """Embedded reference models and data for the demo, benchmarks and tests (no download).
 
-``digits()`` is scikit-learn's 8x8 handwritten-digits set (1,797 images, shipped with
-scikit-learn); ``build_model`` returns small compiled Keras models sized for it; the
+``digits()`` is the 8x8 handwritten-digits set that scikit-learn ships as ``load_digits``
+(1,797 images of the UCI "Optical Recognition of Handwritten Digits" data, CC BY 4.0; see
+``tfscale/data/README.md``), stored in the package as ``data/digits.npz`` (45 KB) so that
+tfscale does not depend on scikit-learn: Keras imports scikit-learn at start-up wherever it
+is installed (its ``keras.wrappers``), which costs every TensorFlow process about 0.8 s of CPU.
+``build_model`` returns small compiled Keras models sized for it; the
 ``synthetic_*`` helpers make seeded random data of any shape for throughput measurements.
 Build models inside ``strategy.scope()`` when they are meant for a strategy.
 """
@@ -42,7 +46,8 @@ class Digits:
 
 
 def digits(test_fraction: float = 0.2, seed: int = 0) -> Digits:
-    """Loads scikit-learn's handwritten digits, shuffled with ``seed`` and split.
+    """Loads the handwritten digits (scikit-learn's ``load_digits``), shuffled with ``seed``
+    and split.
 
     Args:
         test_fraction: Share of the 1,797 images held out for testing.
@@ -51,11 +56,13 @@ def digits(test_fraction: float = 0.2, seed: int = 0) -> Digits:
     Returns:
         Train and test arrays; images are ``(n, 8, 8, 1)`` float32 scaled to [0, 1].
     """
-    from sklearn.datasets import load_digits
+    from importlib import resources
 
-    bunch = load_digits()
-    images = (bunch.images / 16.0).astype(np.float32)[..., None]
-    labels = bunch.target.astype(np.int32)
+    with resources.files("tfscale").joinpath("data/digits.npz").open("rb") as handle:
+        stored = np.load(handle)
+        # Pixels 0..16 as uint8; scikit-learn's float64 images / 16, bit for bit.
+        images = (stored["images"].astype(np.float64) / 16.0).astype(np.float32)[..., None]
+        labels = stored["target"].astype(np.int32)
     order = np.random.default_rng(seed).permutation(len(labels))
     images, labels = images[order], labels[order]
     cut = len(labels) - round(len(labels) * test_fraction)
