@@ -6,8 +6,8 @@ tfscale.prepare_loop and tf.train.CheckpointManager (tests/launch/data/elastic_l
 
 The jobs start together in one module fixture (as test_jobs.py's): the uninterrupted
 reference (the three inputs one after the other in one 3-worker job), one elastic job
-per input (3 attempts of 3 workers, then 2 workers), and the custom loop's uninterrupted
-reference and elastic job.
+per input (for arrays 3 attempts of 3 workers, for the others 2, then 2 workers), and the
+custom loop's uninterrupted reference and elastic job.
 """
 
 from __future__ import annotations
@@ -43,6 +43,10 @@ _TIMEOUT = 900.0
 # epoch ends: worker 2 dies at update 26 (epoch 2), every 3-worker attempt resumes from 24
 # (epoch 2, batch 4), and so does the 2-worker attempt: mid-epoch, at the exact batch.
 _KILL_AFTER, _RESUMED_AT = 26, 24
+# The issue's command (--max-restarts 2: 3 starts of 3 workers before the drop) for arrays;
+# the other inputs and the custom loop test the resume on 2 workers, which does not depend
+# on how many starts came before, with --max-restarts 1 (6 fewer TensorFlow processes each).
+_RESTARTS = {"arrays": 2, "tfdata": 1, "dataset_fn": 1, "loop": 1}
 
 
 @dataclass
@@ -95,7 +99,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Job]]:
         folder = root / kind
         started[kind] = _start(
             folder,
-            ["-n", "3", "--min-workers", "2", "--max-restarts", "2", _SCRIPT,
+            ["-n", "3", "--min-workers", "2", "--max-restarts", str(_RESTARTS[kind]), _SCRIPT,
              "--data", kind, "--out", str(folder / "w"), "--checkpoint-dir", str(folder / "ck"),
              "--kill-after", str(_KILL_AFTER), "--record", str(folder)],
         )  # fmt: skip
@@ -106,7 +110,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Job]]:
     folder = root / "loop"
     started["loop"] = _start(
         folder,
-        ["-n", "3", "--min-workers", "2", "--max-restarts", "2", _LOOP,
+        ["-n", "3", "--min-workers", "2", "--max-restarts", str(_RESTARTS["loop"]), _LOOP,
          "--out", str(folder / "w.npz"), "--checkpoint-dir", str(folder / "ck"),
          "--kill-after", str(_KILL_AFTER), "--record", str(folder)],
     )  # fmt: skip
@@ -127,21 +131,26 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Job]]:
     yield started
 
 
-def _check_dropped_worker_2(reference: _Job, job: _Job) -> None:
-    """Both jobs exited 0; ``job`` lost worker 2 on 3 starts, resumed, finished on 2."""
+def _check_dropped_worker_2(reference: _Job, job: _Job, restarts: int) -> None:
+    """Both jobs exited 0; ``job`` lost worker 2 on ``restarts + 1`` starts, resumed, finished
+    on 2: every start's task pids were reported and none is left."""
     assert reference.process.returncode == 0, reference.stderr[-3000:]
     assert job.process.returncode == 0, job.stderr[-3000:]
+    starts = restarts + 1
     assert job.stderr.strip().splitlines()[-1] == (
         "[tfscale launch] finished on 2 of 3 workers: dropped worker 2 "
-        "(killed by SIGKILL on 3 starts in a row)"
+        f"(killed by SIGKILL on {starts} starts in a row)"
     )
     records = job.records()
-    assert sorted(records) == [
-        "worker0-0", "worker0-1", "worker0-2", "worker0-3", "worker1-0", "worker1-1",
-        "worker1-2", "worker1-3", "worker2-0", "worker2-1", "worker2-2",
-    ]  # fmt: skip
-    assert [records[f"worker0-{a}"]["workers"] for a in range(4)] == [3, 3, 3, 2]
-    assert [records[f"worker1-{a}"]["start_step"] for a in range(4)] == [0] + [_RESUMED_AT] * 3
+    assert sorted(records) == sorted(
+        [f"worker{w}-{a}" for w in (0, 1) for a in range(starts + 1)]
+        + [f"worker2-{a}" for a in range(starts)]
+    )
+    assert [records[f"worker0-{a}"]["workers"] for a in range(starts + 1)] == [3] * starts + [2]
+    assert [records[f"worker1-{a}"]["start_step"] for a in range(starts + 1)] == [0] + [
+        _RESUMED_AT
+    ] * starts
+    assert len(job.pids) == 3 * starts + 2 and groups_alive(job.pids) == []
 
 
 @pytest.mark.parametrize("kind", _KINDS)
@@ -149,12 +158,11 @@ def test_job_losing_worker_2_finishes_on_2_with_the_uninterrupted_weights(
     jobs: dict[str, _Job], kind: str
 ) -> None:
     reference, job = jobs["reference"], jobs[kind]
-    _check_dropped_worker_2(reference, job)
+    _check_dropped_worker_2(reference, job, _RESTARTS[kind])
     assert f"[worker 0] {kind} on 2 workers: done" in job.stdout
     difference = relative_difference(
         job.weights(f"w-{kind}.npz"), reference.weights(f"w-{kind}.npz")
     )
-    assert len(job.pids) == 11 and groups_alive(job.pids) == []  # every attempt stopped
     print(f"{kind}: relative difference to the uninterrupted 3-worker run {difference:.2e}")
     assert difference <= 1e-5, difference
 
@@ -164,9 +172,8 @@ def test_custom_loop_losing_worker_2_finishes_on_2_with_the_uninterrupted_weight
 ) -> None:
     """tfscale.prepare_loop, CheckpointManager every 4 steps, resume by skipping batches."""
     reference, job = jobs["loop_reference"], jobs["loop"]
-    _check_dropped_worker_2(reference, job)
+    _check_dropped_worker_2(reference, job, _RESTARTS["loop"])
     assert f"[worker 0] loop on 2 workers from step {_RESUMED_AT}: done" in job.stdout
     difference = relative_difference(job.weights("w.npz"), reference.weights("w.npz"))
-    assert len(job.pids) == 11 and groups_alive(job.pids) == []  # every attempt stopped
     print(f"custom loop: relative difference to the uninterrupted 3-worker run {difference:.2e}")
     assert difference <= 1e-5, difference
