@@ -32,6 +32,8 @@ MULTIWORKER_CASES = (
     "class_weight",
     "early_stopping_min_delta",
     "gradient_accumulation_adam",
+    # Sparse gradients gathered across workers (the reference: one device, dense gradients).
+    "transformer_classifier_adam",
 )
 
 # Each worker runs the registry's own runner: the one-device model.fit reference in its
@@ -42,10 +44,10 @@ import json, sys
 sys.path.insert(0, sys.argv[2])
 import tensorflow as tf
 strategy = tf.distribute.MultiWorkerMirroredStrategy()
-from training.parity import CASES
+from training.parity import CASES, SPARSE_CASES
 from training.parity.registry import run_case
 
-cases = {case.name: case for case in CASES}
+cases = {case.name: case for case in [*CASES, *SPARSE_CASES]}
 outcome = {}
 for name in sys.argv[3].split(","):
     try:
@@ -61,7 +63,7 @@ with open(sys.argv[1] + ".json", "w") as handle:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_cases_across_two_worker_processes_match_one_device(tmp_path: Path) -> None:
-    """8 cases trained by 2 worker processes (MultiWorkerMirroredStrategy, one CPU each),
+    """9 cases trained by 2 worker processes (MultiWorkerMirroredStrategy, one CPU each),
     each checked against one-device model.fit with the case's own checks."""
     run_workers(_WORKER, [str(tmp_path / "w"), str(TESTS), ",".join(MULTIWORKER_CASES)])
     for index in range(2):

@@ -8,7 +8,8 @@ custom loop under ``strategy.run``)::
 
     replica r, micro-batch i      w = c_r,i * g_r,i  (c: its examples)   -> += accumulators
     every k-th micro-batch        [w..., c] -- ONE all-reduce(SUM): dense packed, sparse gathered
-                                  g = sum(w) / sum(c)   (the mean over every example)
+                                  g = sum(w) / sum(c)   (the mean over every example;
+                                                 a sparse g's duplicate rows summed)
                                   clip by the global norm (tfscale.fit(global_clipnorm=...))
                                   all finite? -> the user's optimizer.apply(g)   (its own
                                                  all-reduce switched off: already reduced)
@@ -145,6 +146,23 @@ def _divided(gradient: Any, total: tf.Tensor) -> Any:
         inverse = tf.cast(1.0 / total, gradient.values.dtype)
         return tf.IndexedSlices(gradient.values * inverse, gradient.indices, gradient.dense_shape)
     return gradient * tf.cast(1.0 / total, gradient.dtype)
+
+
+def _rows_summed(gradient: Any) -> Any:
+    """A ``tf.IndexedSlices`` with one entry per row, its duplicates summed; anything else as is.
+
+    The dense gradient's rows, still sparse. Keras's sparse updates square (Adam, AdamW, Nadam,
+    RMSprop, Adagrad) or clip each entry on its own and sum duplicates only afterwards, so
+    without this a row that two replicas touched (every row of a positional embedding) gets
+    ``r0**2 + r1**2`` where one device gets ``(r0 + r1)**2``. Summed here, after the
+    all-reduce's gather, the update is the dense gradient's on any number of replicas
+    (docs/training.md, "Sparse gradients"); the bytes all-reduced stay the rows touched.
+    """
+    if not isinstance(gradient, tf.IndexedSlices):
+        return gradient
+    rows, entry_row = tf.unique(gradient.indices)
+    values = tf.math.unsorted_segment_sum(gradient.values, entry_row, tf.shape(rows)[0])
+    return tf.IndexedSlices(values, rows, gradient.dense_shape)
 
 
 def _all_finite(gradients: Sequence[Any]) -> tf.Tensor:
@@ -315,7 +333,7 @@ class DistributedUpdate:
         context = tf.distribute.get_replica_context()
         if context is None:
             # Cross-replica context (an eager call outside strategy.run): Keras's own path.
-            return self._original_apply(grads, trainable_variables)
+            return self._original_apply([_rows_summed(g) for g in grads], trainable_variables)
         if trainable_variables is None:
             variables = internals.optimizer_trainable_variables(self.optimizer)
         else:
@@ -434,7 +452,12 @@ class DistributedUpdate:
         return self.options if step is None or step.options is None else step.options
 
     def _finish(self, grads: list[Any], variables: list[Any]) -> None:
-        """Clips the reduced gradient, then applies it if finite (identical on every replica)."""
+        """Clips the reduced gradient, then applies it if finite (identical on every replica).
+
+        Every update reaches the optimizer here (``tfscale.fit``, ``prepare``, custom loops,
+        workers, XLA's deferred apply), with each sparse gradient's duplicate rows summed.
+        """
+        grads = [_rows_summed(g) for g in grads]
         options = self._step_options()
         clipnorm = None if options is None else options.clipnorm
         if clipnorm is not None:

@@ -91,6 +91,36 @@ def compiled(model: Any, **compile_args: Any) -> Any:
     return model
 
 
+def dense_gradients(optimizer: Any) -> Any:
+    """``optimizer``, its ``apply`` handed each ``tf.IndexedSlices`` as the dense tensor
+    (duplicate ids summed before the update: the mathematically defined gradient)."""
+    sparse_apply = optimizer.apply
+
+    def apply(grads: Any, trainable_variables: Any = None) -> Any:
+        dense = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+        return sparse_apply(dense, trainable_variables)
+
+    optimizer.apply = apply
+    return optimizer
+
+
+def with_dense_gradients(build: Callable[[], Any]) -> Callable[[], Any]:
+    """``build``, its compiled model's optimizer handed dense gradients.
+
+    The reference of a case whose batches repeat an ``Embedding`` id under Adam, AdamW, Nadam,
+    RMSprop or Adagrad: tfscale makes the dense gradient's update there, where Keras's
+    one-device sparse update squares each lookup's entry on its own (docs/training.md,
+    "Sparse gradients").
+    """
+
+    def make() -> Any:
+        model = build()
+        dense_gradients(model.optimizer)
+        return model
+
+    return make
+
+
 def regressor(**compile_args: Any) -> Any:
     """The compiled tiny regression MLP."""
     return compiled(mlp(), **compile_args)
