@@ -196,10 +196,10 @@ def test_bench_and_profile_fire_the_same_rules_on_the_same_numbers(
     one, two = _steps(0.004, 0.056, 128), _steps(0.004, 0.096, 128)
     bench_one = breakdown(one)
     bench_two = breakdown(two, without_reduce=_steps(0.0, 0.051, 128))
-    profile_one = breakdown(one, trace_shares={"input": 0.004 / 0.06, "compute": 0.056 / 0.06})
-    profile_two = breakdown(
-        two, trace_shares={"input": 0.04, "compute": 0.51, "other": 0.0, "communication": 0.45}
-    )
+    shares_one = {"input": 0.004 / 0.06, "compute": 0.056 / 0.06}
+    shares_two = {"input": 0.04, "compute": 0.41, "other": 0.10, "communication": 0.45}
+    profile_one = breakdown(one, trace_shares=shares_one)
+    profile_two = breakdown(two, trace_shares=shares_two)
     for benched, profiled in ((bench_one, profile_one), (bench_two, profile_two)):
         assert (profiled.step_s, profiled.input_s, profiled.compute_s) == pytest.approx(
             (benched.step_s, benched.input_s, benched.compute_s)
@@ -213,15 +213,18 @@ def test_bench_and_profile_fire_the_same_rules_on_the_same_numbers(
         SweepPoint("weak", 1, 128, 1, bench_one),
         SweepPoint("weak", 2, 64, 1, bench_two, speedup=speedup, efficiency=speedup / 2),
     ]
-    benched = advise(facts_for(Report("mlp", "CPU", 2, {}, points), environment))
+    report = Report("mlp", environment.device_kind, environment.physical_devices, {}, points)
+    benched = advise(facts_for(report, environment))
 
     # profile: the child's JSON (environment and fit summaries) -> script_report.
-    def child(b: Breakdown, replicas: int) -> dict:
-        shares = {"input": b.input_s / b.step_s}  # any non-empty window: it is not re-read
+    def child(b: Breakdown, replicas: int, shares: dict[str, float]) -> dict:
         fit = _summary(b, replicas, shares, environment.jit_compile)
         return json.loads(json.dumps({**environment.to_json(), "status": 0, "fits": [fit]}))
 
-    profiled = script_report(child(profile_two, 2), "train.py", child(profile_one, 1)).advice
+    scripted = script_report(
+        child(profile_two, 2, shares_two), "t.py", child(profile_one, 1, shares_one)
+    )
+    profiled = scripted.advice
 
     assert [(a.key, a.severity) for a in profiled] == [(a.key, a.severity) for a in benched]
     assert [a.predicted_speedup for a in profiled] == pytest.approx(
