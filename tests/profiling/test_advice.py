@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tfscale.profiling.advice import Facts, advise, fit_batch_cost
-from tfscale.profiling.steptime import Breakdown
+from tfscale.profiling.facts import Environment, facts_for
+from tfscale.profiling.report import Report
+from tfscale.profiling.script import script_report
+from tfscale.profiling.steptime import Breakdown, StepTimes, breakdown, to_record
+from tfscale.profiling.sweep import SweepPoint
 
 
 def _facts(input_s: float, compute_s: float, communication_s: float, **kw: object) -> Facts:
@@ -116,23 +122,15 @@ def test_flat_compute_across_replicas_is_silent() -> None:
     assert [(a.key, a.severity) for a in advise(grown)] == [("shared-compute", "medium")]
 
 
-def test_facts_for_takes_compute_at_the_advised_per_replica_batch(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from tfscale.profiling import bench
-    from tfscale.profiling.bench import facts_for
-    from tfscale.profiling.report import Report
-    from tfscale.profiling.sweep import SweepPoint
-
+def test_facts_for_takes_compute_at_the_advised_per_replica_batch() -> None:
     points = [
         SweepPoint("weak", 1, 64, 1, Breakdown(0.011, 0.0, 0.011, 0.0, 64)),
         SweepPoint("weak", 2, 64, 1, Breakdown(0.020, 0.0, 0.0195, 0.0005, 128)),
         SweepPoint("strong", 1, 128, 1, Breakdown(0.020, 0.0, 0.020, 0.0, 128)),
         SweepPoint("strong", 2, 64, 1, Breakdown(0.020, 0.0, 0.0195, 0.0005, 128)),
     ]
-    # The bf16 rule reads the CPU's flags; this test is about compute, on any machine.
-    monkeypatch.setattr(bench, "bf16_available", lambda kind: False)
-    facts = facts_for(Report("mlp", "CPU", 2, {}, points), jit_compile=True)
+    # The environment is given (no bf16 units, XLA on): this test is about compute.
+    facts = facts_for(Report("mlp", "CPU", 2, {}, points), Environment("CPU", 2, jit_compile=True))
     assert facts.compute_by_replicas == {1: 0.011, 2: 0.0195}  # not strong 1 x 128
     assert [a.key for a in advise(facts)] == ["shared-compute"]
 
@@ -157,46 +155,80 @@ def test_compression_is_advised_for_communication_over_a_link_only() -> None:
         assert "compress-gradients" not in {a.key for a in advise(quiet)}
 
 
-def _profiled_fit(replicas: int, step: float, compute: float, communication: float) -> dict:
+def _steps(fetch: float, execution: float, examples: int) -> StepTimes:
+    return StepTimes((fetch,) * 10, (execution,) * 10, examples)
+
+
+def _summary(b: Breakdown, replicas: int, shares: dict[str, float], jit: bool) -> dict:
+    """What ``ProfileCallback.summary`` writes for a fit call (the keys profile reads)."""
     return {
-        "steps_measured": 20,
-        "mean_step_s": step,
-        "input_s": step - compute - communication,
-        "compute_s": compute,
-        "communication_s": communication,
-        "method": "trace",
-        "batch_size": 128,
+        **to_record(b),
+        "steps_measured": 10,
+        "batch_size": b.examples_per_step,
         "replicas": replicas,
-        "trace_shares": {},
+        "trace_shares": shares,
+        "jit_compile": jit,
     }
 
 
-def test_bench_and_profile_fire_the_same_rules_on_the_same_numbers() -> None:
-    # One set of facts (profiling/facts.py) for both commands: a GPU with bf16 units and a
-    # communication-heavy step fire bf16 and gradient compression from either command.
-    from tfscale.profiling.facts import facts_for
-    from tfscale.profiling.report import Report
-    from tfscale.profiling.script import script_report
-    from tfscale.profiling.steptime import Breakdown
-    from tfscale.profiling.sweep import SweepPoint
+@pytest.mark.parametrize(
+    ("environment", "fired", "silent"),
+    [
+        # Two GPUs with bfloat16 units: the all-reduce crosses a link, compute could halve.
+        (Environment("GPU", 2, bf16_available=True), {"bf16", "compress-gradients"}, set()),
+        # Two worker processes on CPUs without bf16 units: compression, no bf16.
+        (Environment("CPU", 2, multi_worker=True), {"compress-gradients"}, {"bf16"}),
+        # Two CPU devices of one process, XLA on: a memory copy, nothing to compress.
+        (
+            Environment("CPU", 2, jit_compile=True),
+            {"accumulate"},
+            {"bf16", "compress-gradients", "xla"},
+        ),
+    ],
+)
+def test_bench_and_profile_fire_the_same_rules_on_the_same_numbers(
+    environment: Environment, fired: set[str], silent: set[str]
+) -> None:
+    # One measurement (steptime.breakdown) and one set of facts (facts.facts_for) for both
+    # commands: the same steps give the same breakdown and the same advice, whether bench
+    # measured them (with a reference step without the all-reduce) or profile observed them
+    # (a trace window's shares) and its child handed them over as JSON.
+    one, two = _steps(0.004, 0.056, 128), _steps(0.004, 0.096, 128)
+    bench_one = breakdown(one)
+    bench_two = breakdown(two, without_reduce=_steps(0.0, 0.051, 128))
+    shares_one = {"input": 0.004 / 0.06, "compute": 0.056 / 0.06}
+    shares_two = {"input": 0.04, "compute": 0.41, "other": 0.10, "communication": 0.45}
+    profile_one = breakdown(one, trace_shares=shares_one)
+    profile_two = breakdown(two, trace_shares=shares_two)
+    for benched, profiled in ((bench_one, profile_one), (bench_two, profile_two)):
+        assert (profiled.step_s, profiled.input_s, profiled.compute_s) == pytest.approx(
+            (benched.step_s, benched.input_s, benched.compute_s)
+        )
+        assert profiled.communication_s == pytest.approx(benched.communication_s)
+    assert bench_two.communication_s == pytest.approx(0.045)
 
-    child = {"device_kind": "GPU", "physical_devices": 2, "bf16_available": True}
-    data = {**child, "status": 0, "fits": [_profiled_fit(2, 0.1, 0.051, 0.045)]}
-    reference = {**child, "status": 0, "fits": [_profiled_fit(1, 0.06, 0.056, 0.0)]}
-    profiled = script_report(data, "train.py", reference)
-
-    one = Breakdown(0.06, 0.004, 0.056, 0.0, 128, method="trace")
-    two = Breakdown(0.1, 0.004, 0.051, 0.045, 128, method="trace")
-    speedup = two.examples_per_s / one.examples_per_s
+    # bench: the sweep's points -> Report -> facts_for -> advise.
+    speedup = bench_two.examples_per_s / bench_one.examples_per_s
     points = [
-        SweepPoint("weak", 1, 128, 1, one),
-        SweepPoint("weak", 2, 64, 1, two, speedup=speedup, efficiency=speedup / 2),
+        SweepPoint("weak", 1, 128, 1, bench_one),
+        SweepPoint("weak", 2, 64, 1, bench_two, speedup=speedup, efficiency=speedup / 2),
     ]
-    facts = facts_for(Report("mlp", "GPU", 2, {}, points), over_a_link=True, bf16=True)
-    benched = advise(facts)
-    keys = [a.key for a in benched]
-    assert [a.key for a in profiled.advice] == keys
-    assert {"bf16", "compress-gradients"} <= set(keys)
-    assert [a.predicted_speedup for a in profiled.advice] == pytest.approx(
+    report = Report("mlp", environment.device_kind, environment.physical_devices, {}, points)
+    benched = advise(facts_for(report, environment))
+
+    # profile: the child's JSON (environment and fit summaries) -> script_report.
+    def child(b: Breakdown, replicas: int, shares: dict[str, float]) -> dict:
+        fit = _summary(b, replicas, shares, environment.jit_compile)
+        return json.loads(json.dumps({**environment.to_json(), "status": 0, "fits": [fit]}))
+
+    scripted = script_report(
+        child(profile_two, 2, shares_two), "t.py", child(profile_one, 1, shares_one)
+    )
+    profiled = scripted.advice
+
+    assert [(a.key, a.severity) for a in profiled] == [(a.key, a.severity) for a in benched]
+    assert [a.predicted_speedup for a in profiled] == pytest.approx(
         [a.predicted_speedup for a in benched]
     )
+    keys = {a.key for a in benched}
+    assert fired <= keys and not silent & keys

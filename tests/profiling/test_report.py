@@ -67,6 +67,72 @@ def test_report_files_hold_the_numbers_and_decodable_plots(tmp_path: Path) -> No
     assert to_markdown(_report()).count("**accumulate**") == 1
 
 
+class _Tables(HTMLParser):
+    """The page's tables as rows of cell texts, and its images by id."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables: list[list[list[str]]] = []
+        self.images: dict[str, str] = {}
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "table":
+            self.tables.append([])
+        elif tag == "tr":
+            self.tables[-1].append([])
+        elif tag in ("td", "th"):
+            self._cell = []
+        elif tag == "img":
+            found = dict(attrs)
+            self.images[found.get("id") or ""] = found.get("src") or ""
+
+    def handle_data(self, data: str) -> None:
+        if self._cell is not None:
+            self._cell.append(data)
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in ("td", "th") and self._cell is not None:
+            self.tables[-1][-1].append("".join(self._cell).strip())
+            self._cell = None
+
+
+def test_html_report_of_several_workers_has_a_row_per_worker_and_a_timeline() -> None:
+    import dataclasses
+
+    from PIL import Image
+
+    from tfscale.profiling.report import to_html
+    from tfscale.profiling.stragglers import WorkerStep, judge
+
+    # Worker 1 waits 201 ms for each batch; worker 0 waits as long for it in the all-reduce.
+    steps = [WorkerStep(0, 0.207, 0.001, 0.206, 0.0), WorkerStep(1, 0.207, 0.201, 0.006, 0.0)]
+    rows, straggler = judge(steps)
+    several = dataclasses.replace(_report(), workers=rows, straggler=straggler)
+    page = _Tables()
+    page.feed(to_html(several))
+    (workers,) = [t for t in page.tables if "waiting for others ms" in t[0]]
+    header, *body = workers
+    by_worker = {row[0]: dict(zip(header, row, strict=True)) for row in body}
+    assert sorted(by_worker) == ["0", "1"]
+    assert by_worker["1"]["input ms"] == "201.00" and by_worker["0"]["waiting for others ms"] == (
+        "200.00"
+    )
+    # The timeline: one bar per worker, input (amber) and the wait for the others (grey) drawn.
+    source = page.images["plot-workers"]
+    assert source.startswith("data:image/png;base64,")
+    image = Image.open(io.BytesIO(base64.b64decode(source.split(",", 1)[1]))).convert("RGB")
+    pixels = np.asarray(image).reshape(-1, 3).astype(int)
+    for rgb in ((0xE4, 0xA1, 0x1B), (0xBB, 0xBB, 0xBB), (0x3B, 0x7D, 0xD8)):
+        assert (np.abs(pixels - rgb).max(axis=1) <= 6).sum() > 500, rgb
+
+    # One process: neither the table nor the timeline.
+    alone = _Tables()
+    alone.feed(to_html(_report()))
+    assert "plot-workers" not in alone.images
+    assert not [t for t in alone.tables if "waiting for others ms" in t[0]]
+
+
 _CHROMIUM = (
     shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 )

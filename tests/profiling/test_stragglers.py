@@ -170,14 +170,6 @@ def test_launch_profile_runs_each_worker_under_the_profiler_writing_its_part(
     assert worker_output(str(tmp_path / "steps.json")) == str(tmp_path / "steps.json")
 
 
-def test_html_report_of_several_workers_has_their_rows_and_timeline() -> None:
-    from tfscale.profiling.report import to_html
-
-    parts = {0: _part(0.207, 0.001, 0.206, 0.0), 1: _part(0.207, 0.201, 0.006, 0.0)}
-    page = to_html(merge_workers(parts, "train.py"))
-    assert 'id="plot-workers"' in page and "waiting for others ms" in page
-
-
 def test_profile_merge_builds_one_report_from_the_workers_parts(tmp_path: Path) -> None:
     from tfscale.cli.main import main
 

@@ -18,7 +18,7 @@ from tfscale.profiling import metrics
 from tfscale.profiling.advice import Advice, Facts, advise
 from tfscale.profiling.agree import agree_points
 from tfscale.profiling.collectives import DEFAULT_SIZES, benchmark_allreduce
-from tfscale.profiling.facts import bf16_available, facts_for
+from tfscale.profiling.facts import facts_for, gather_environment
 from tfscale.profiling.harness import MeasuredStep, Workload, resolve_workload, strategy_for
 from tfscale.profiling.report import Report, write_report
 from tfscale.profiling.steptime import robust_means, time_interleaved
@@ -29,7 +29,7 @@ from tfscale.profiling.sweep import (
     run_sweep,
 )
 
-__all__ = ["bf16_available", "facts_for", "measure_as_worker", "profile", "verify_advice"]
+__all__ = ["measure_as_worker", "profile", "verify_advice"]
 
 
 def profile(
@@ -431,8 +431,10 @@ def _measure(
             collectives=results,
             notes=_NOTES,
         )
-        # Between GPUs or worker processes the all-reduce's time follows its bytes.
-        facts = facts_for(report, jit_compile=jit_compile, over_a_link=kind == "GPU" or cluster)
+        # The same facts as tfscale profile's (profiling/facts.py), gathered here, where
+        # the step was measured.
+        environment = gather_environment(jit_compile=jit_compile, multi_worker=cluster)
+        facts = facts_for(report, environment)
         advice = advise(facts)
         verification = None
         if verify:

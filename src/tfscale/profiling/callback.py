@@ -19,7 +19,7 @@ from typing import Any
 import keras
 
 from tfscale.profiling.metrics import shares
-from tfscale.profiling.steptime import Breakdown, StepTimes, breakdown
+from tfscale.profiling.steptime import Breakdown, StepTimes, breakdown, to_record
 from tfscale.profiling.timeline import STEP_MARKER, find_xplane, read_xplane, trace_breakdown
 
 __all__ = ["EpochClock", "ProfileCallback"]
@@ -157,51 +157,35 @@ class ProfileCallback(keras.callbacks.Callback):  # type: ignore[misc]
 
     def step_times(self) -> StepTimes:
         """The measured steps as :class:`StepTimes` (the fetch apart where it was timed,
-        else 0), the record ``tfscale bench`` measures too."""
-        fetch = self.fetch_s if len(self.fetch_s) == len(self.step_s) else [0.0] * len(self.step_s)
+        else 0 and ``fetch_timed`` False), the record ``tfscale bench`` measures too."""
+        timed = bool(self.fetch_s) and len(self.fetch_s) == len(self.step_s)
+        fetch = self.fetch_s if timed else [0.0] * len(self.step_s)
         execution = tuple(s - f for s, f in zip(self.step_s, fetch, strict=True))
-        return StepTimes(tuple(fetch), execution, self.batch_size or 0)
+        return StepTimes(tuple(fetch), execution, self.batch_size or 0, fetch_timed=timed)
 
     def breakdown(self) -> Breakdown:
-        """The step breakdown, with ``tfscale bench``'s statistics (:func:`steptime.breakdown`:
-        means over the fastest 90% of steps): split by the trace's shares where one was
+        """The step breakdown, by ``tfscale bench``'s measurement (:func:`steptime.breakdown`:
+        means over the fastest 90% of steps), split by the trace's shares where one was
         captured, else by the timings.
 
         Under ``tfscale.fit`` the input wait is the train function's fetch time (wall-clock);
         under ``model.fit`` without a trace the whole step counts as compute (input and
         communication cannot be separated from outside Keras's compiled step), and
-        ``method`` says so.
+        ``method`` says so (``step-time``).
         """
-        wall = breakdown(self.step_times())
-        step, examples = wall.step_s, wall.examples_per_step
-        if self.trace_shares:
-            share = self.trace_shares
-            return Breakdown(
-                step_s=step,
-                input_s=step * share.get("input", 0.0),
-                compute_s=step * (share.get("compute", 0.0) + share.get("other", 0.0)),
-                communication_s=step * share.get("communication", 0.0),
-                examples_per_step=examples,
-                method="trace",
-            )
-        method = "wall-clock" if self.fetch_s else "step-time"
-        return Breakdown(step, wall.input_s, wall.compute_s, 0.0, examples, method=method)
+        return breakdown(self.step_times(), trace_shares=self.trace_shares)
 
     def summary(self) -> dict[str, Any]:
         """Per-step statistics as plain data (what ``tfscale profile`` writes into its report)."""
         b = self.breakdown()
         return {
+            **to_record(b),
             "steps_measured": len(self.step_s),
-            "mean_step_s": b.step_s,
             "mean_gap_between_steps_s": statistics.fmean(self.gap_s) if self.gap_s else 0.0,
             "steps_per_s": 1.0 / b.step_s if b.step_s > 0 else 0.0,
             "examples_per_s": b.examples_per_s if self.batch_size else None,
             "batch_size": self.batch_size,
             "replicas": self.replicas,
-            "method": b.method,
-            "input_s": b.input_s,
-            "compute_s": b.compute_s,
-            "communication_s": b.communication_s,
             "trace_shares": self.trace_shares,
             "step_s": list(self.step_s),
             "jit_compile": bool(getattr(self.model, "jit_compile", False) is True),

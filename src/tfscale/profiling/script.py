@@ -146,14 +146,6 @@ def _hook_fits(make: Callable[[int | None], Any]) -> Callable[[], None]:
     return undo
 
 
-def keras_precision() -> str:
-    """The global Keras precision policy's name when the script ended (``float32``,
-    ``mixed_bfloat16``, ...)."""
-    import keras
-
-    return str(keras.mixed_precision.global_policy().name)
-
-
 def run_script(path: str, argv: list[str], out_json: str, trace_steps: tuple[int, int]) -> int:
     """Runs ``path`` as ``__main__`` with ``argv``, timing every ``keras.Model.fit`` and
     ``tfscale.fit`` call (on one replica when :data:`ONE_REPLICA_ENV` is set).
@@ -193,21 +185,13 @@ def run_script(path: str, argv: list[str], out_json: str, trace_steps: tuple[int
         for callback in callbacks:
             if isinstance(callback, LoopSteps):
                 callback.on_train_end()  # a trace window the loop did not reach the end of
-        import tensorflow as tf
+        from tfscale.profiling.facts import gather_environment
 
-        from tfscale.cluster import cluster_from_env
-        from tfscale.profiling.facts import bf16_available
-
-        gpus = len(tf.config.list_physical_devices("GPU"))
-        kind = "GPU" if gpus else "CPU"
         result = {
             "status": status,
-            "device_kind": kind,
-            # The facts the advice rules need beyond the steps, as bench gives them.
-            "bf16_available": bf16_available(kind),
-            "precision": keras_precision(),
-            "multi_worker": cluster_from_env() is not None,
-            "physical_devices": gpus or len(os.sched_getaffinity(0)),
+            # The facts the advice rules need beyond the steps, gathered as bench gathers
+            # them (the precision policy as the script left it; XLA is each fit's own).
+            **gather_environment().to_json(),
             "fits": [
                 {**c.summary(), "kind": "loop" if isinstance(c, LoopSteps) else "fit"}
                 for c in callbacks
@@ -220,7 +204,7 @@ def run_script(path: str, argv: list[str], out_json: str, trace_steps: tuple[int
 
 def _points(data: dict[str, Any]) -> list[tuple[dict[str, Any], Any]]:
     """``(fit summary, SweepPoint)`` for each fit call of a run that measured a step."""
-    from tfscale.profiling.steptime import Breakdown
+    from tfscale.profiling.steptime import from_record
     from tfscale.profiling.sweep import SweepPoint
 
     out = []
@@ -229,14 +213,7 @@ def _points(data: dict[str, Any]) -> list[tuple[dict[str, Any], Any]]:
             continue
         batch = summary["batch_size"] or 0
         replicas = summary["replicas"]
-        b = Breakdown(
-            summary["mean_step_s"],
-            summary["input_s"],
-            summary["compute_s"],
-            summary["communication_s"],
-            batch,
-            method=summary["method"],
-        )
+        b = from_record(summary, batch)
         point = SweepPoint(
             "script", replicas, max(batch // replicas, 0), 1, b, trace=summary["trace_shares"]
         )
@@ -267,7 +244,7 @@ def script_report(data: dict[str, Any], path: str, reference: dict[str, Any] | N
 
     from tfscale.errors import ProfileError, explain
     from tfscale.profiling.advice import advise
-    from tfscale.profiling.facts import facts_for
+    from tfscale.profiling.facts import Environment, facts_for
     from tfscale.profiling.report import Report
 
     fits = _points(data)
@@ -330,18 +307,15 @@ def script_report(data: dict[str, Any], path: str, reference: dict[str, Any] | N
         )
     if status != 0:
         notes.append(f"The script exited with status {status}; the steps before are reported.")
-    device_kind, physical = data.get("device_kind", "CPU"), int(data.get("physical_devices", 1))
     main_summary = max(fits, key=lambda fp: fp[0]["steps_measured"])[0]
-    basis = [p for p in points if p.replicas != main_point.replicas] + [main_point]
-    facts = facts_for(
-        Report(path, device_kind, physical, {}, basis),
-        jit_compile=bool(main_summary.get("jit_compile", False)),
-        # Between GPUs or worker processes the all-reduce's time follows its bytes (bench's
-        # rule, the same fact).
-        over_a_link=device_kind == "GPU" or bool(data.get("multi_worker")),
-        bf16=bool(data.get("bf16_available", False)),
-        precision=str(data.get("precision", "float32")),
+    # The environment the child gathered (as bench gathers its own), with the measured
+    # fit's XLA setting.
+    environment = dataclasses.replace(
+        Environment.from_json(data), jit_compile=bool(main_summary.get("jit_compile", False))
     )
+    device_kind, physical = environment.device_kind, environment.physical_devices
+    basis = [p for p in points if p.replicas != main_point.replicas] + [main_point]
+    facts = facts_for(Report(path, device_kind, physical, {}, basis), environment)
     settings: dict[str, Any] = {"fit_calls": len(fits), "exit_status": status}
     if reference is not None:
         settings["reference_exit_status"] = reference.get("status")
@@ -411,6 +385,7 @@ def read_workers(directory: str) -> dict[int, dict[str, Any]]:
 
 
 def _worker_step(index: int, data: dict[str, Any]) -> Any:
+    from tfscale.profiling.steptime import from_record
     from tfscale.profiling.stragglers import WorkerStep
 
     summary = max(
@@ -420,14 +395,8 @@ def _worker_step(index: int, data: dict[str, Any]) -> Any:
     )
     if summary is None:
         return None
-    return WorkerStep(
-        index,
-        summary["mean_step_s"],
-        summary["input_s"],
-        summary["compute_s"],
-        summary["communication_s"],
-        summary["method"],
-    )
+    b = from_record(summary, summary.get("batch_size") or 0)
+    return WorkerStep(index, b.step_s, b.input_s, b.compute_s, b.communication_s, b.method)
 
 
 def merge_workers(parts: dict[int, dict[str, Any]], path: str) -> Any:

@@ -1,23 +1,42 @@
-"""Wall-clock method: split a step into input wait, compute and exposed communication.
+"""The one step measurement of ``tfscale bench`` and ``tfscale profile``: per-step records
+in, a :class:`Breakdown` (input wait, compute, exposed communication) out.
 
-Per step two durations are taken on the host: the time blocked in ``next(iterator)`` (input
-wait) and the time the step function takes (execution). Exposed communication is the part of
-the execution that disappears when the same step runs at the same per-replica batch *without*
-the cross-replica gradient all-reduce: ``exec(with reduce) - exec(without)``. The two variants
-are timed in alternating chunks over the same iterator, so a noisy neighbour on a shared
-machine slows both alike instead of biasing their difference.
+Per step two durations are taken on the host: the time blocked fetching the batch (input
+wait) and the time the step takes (execution), as :class:`StepTimes`. :func:`breakdown` turns
+them into the step's split, with the same statistics for both commands (means over the
+fastest 90% of steps), and is where the method is chosen:
+
+- ``wall-clock`` with a reference (``tfscale bench``, which controls the model): exposed
+  communication is the part of the execution that disappears when the same step runs at the
+  same per-replica batch *without* the cross-replica gradient all-reduce,
+  ``exec(with reduce) - exec(without)``; the two variants are timed in alternating chunks
+  over the same iterator (:func:`time_interleaved`), so a noisy neighbour on a shared machine
+  slows both alike instead of biasing their difference;
+- ``trace`` without one (``tfscale profile``, which can only observe the user's program):
+  the shares of a profiler trace window split the wall-clock step;
+- ``wall-clock`` / ``step-time`` with neither: input is the fetch where it was timed apart
+  (``step-time``: it was not), the rest compute, and no communication is reported.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from tfscale.profiling.metrics import shares
 
-__all__ = ["Breakdown", "StepTimes", "breakdown", "robust_means", "time_interleaved"]
+__all__ = [
+    "Breakdown",
+    "StepTimes",
+    "breakdown",
+    "from_record",
+    "robust_means",
+    "time_interleaved",
+    "to_record",
+]
 
 
 @dataclass(frozen=True)
@@ -28,11 +47,15 @@ class StepTimes:
         wait_s: Seconds blocked fetching each step's batch.
         exec_s: Seconds each step function took to run.
         examples_per_step: Examples one step consumes (global batch x accumulation).
+        fetch_timed: Whether the fetch was timed apart from the step (False: ``wait_s`` is 0
+            and ``exec_s`` holds the whole step, as under ``model.fit``, whose compiled step
+            fetches its own batch).
     """
 
     wait_s: tuple[float, ...]
     exec_s: tuple[float, ...]
     examples_per_step: int
+    fetch_timed: bool = True
 
     def __post_init__(self) -> None:
         if len(self.wait_s) != len(self.exec_s):
@@ -65,7 +88,7 @@ class Breakdown:
         compute_s: Execution without the exposed communication (includes host overhead).
         communication_s: Exposed (not hidden) cross-replica gradient reduction.
         examples_per_step: Examples one step consumes.
-        method: ``"wall-clock"`` or ``"trace"``.
+        method: ``"wall-clock"``, ``"trace"`` or ``"step-time"`` (see :func:`breakdown`).
     """
 
     step_s: float
@@ -98,23 +121,44 @@ def breakdown(
     without_reduce: StepTimes | None = None,
     fetch_floor: float = 0.0,
     contiguous: StepTimes | None = None,
+    trace_shares: Mapping[str, float] | None = None,
 ) -> Breakdown:
-    """Builds the wall-clock breakdown of a step from its timings.
+    """The breakdown of a step from its records: the one measurement of bench and profile.
+
+    The step time is always the wall-clock mean (fetch + execution over the fastest 90% of
+    steps). How it is split depends on what was measured, best first: a reference without
+    the all-reduce (exposed communication by difference; a trace is then not needed), else a
+    trace window's shares (``"other"``, time with no op running, counts as compute), else the
+    timings alone (no communication can be seen).
 
     Args:
         with_reduce: The real step (with the gradient all-reduce).
-        without_reduce: The same step, same per-replica batch, all-reduce removed; None for
-            one replica (nothing to reduce), which reports no communication.
+        without_reduce: The same step, same per-replica batch, all-reduce removed (only
+            ``tfscale bench`` can run it); None where there is none.
         fetch_floor: Seconds a fetch costs when the batch is already there (host overhead of
             the fetch call); only waiting beyond it is input, the rest counts as compute.
         contiguous: The real step timed in one uninterrupted run, whose fetch times are used
             for the input wait: while interleaved runs take turns, each one's pipeline keeps
             producing in the background, which would hide part of a slow pipeline's wait.
+        trace_shares: Fractions of the traced steps per class (``input``, ``compute``,
+            ``communication``, ``other``), where a trace window was captured.
 
     Returns:
         The breakdown; exposed communication is clamped at 0 (noise can make it negative).
     """
     fetch, execution = robust_means(with_reduce)
+    step = fetch + execution
+    examples = with_reduce.examples_per_step
+    if without_reduce is None and trace_shares:
+        share = trace_shares
+        return Breakdown(
+            step_s=step,
+            input_s=step * share.get("input", 0.0),
+            compute_s=step * (share.get("compute", 0.0) + share.get("other", 0.0)),
+            communication_s=step * share.get("communication", 0.0),
+            examples_per_step=examples,
+            method="trace",
+        )
     if contiguous is not None and contiguous.wait_s:
         fetch = robust_means(contiguous)[0]
     wait = max(0.0, fetch - fetch_floor)
@@ -127,8 +171,32 @@ def breakdown(
         input_s=wait,
         compute_s=fetch - wait + execution - communication,
         communication_s=communication,
-        examples_per_step=with_reduce.examples_per_step,
+        examples_per_step=examples,
+        method="wall-clock" if with_reduce.fetch_timed else "step-time",
         extra={"fetch_floor_s": fetch_floor},
+    )
+
+
+def to_record(result: Breakdown) -> dict[str, Any]:
+    """A breakdown as the plain data ``tfscale profile``'s processes exchange (JSON)."""
+    return {
+        "mean_step_s": result.step_s,
+        "input_s": result.input_s,
+        "compute_s": result.compute_s,
+        "communication_s": result.communication_s,
+        "method": result.method,
+    }
+
+
+def from_record(record: Mapping[str, Any], examples_per_step: int) -> Breakdown:
+    """The breakdown that :func:`to_record` wrote."""
+    return Breakdown(
+        step_s=float(record["mean_step_s"]),
+        input_s=float(record["input_s"]),
+        compute_s=float(record["compute_s"]),
+        communication_s=float(record["communication_s"]),
+        examples_per_step=examples_per_step,
+        method=str(record["method"]),
     )
 
 

@@ -37,7 +37,7 @@ class SweepPoint:
         replicas: Number of replicas.
         batch_per_replica: Examples per replica per micro-batch.
         accumulation: Micro-batches accumulated per update.
-        breakdown: The wall-clock breakdown of its step.
+        breakdown: Its step's breakdown (:func:`~tfscale.profiling.steptime.breakdown`).
         speedup: Throughput over the smallest replica count's (same mode).
         efficiency: Scaling efficiency against the smallest replica count (same mode).
         trace: Shares per class from a profiler trace of a few steps, where captured.
