@@ -92,6 +92,9 @@ def child_environment() -> dict[str, str]:
     package_root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # A crash in TensorFlow's C++ (a segfault) then prints every thread's Python stack: the
+    # only clue a report can show for it (see the profiler's, tensorflow/tensorboard#3149).
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     return env
 
 

@@ -92,15 +92,17 @@ _SLOW_INPUT_JOB = textwrap.dedent(
         optimizer = keras.optimizers.SGD(0.01)
         optimizer.build(model.trainable_variables)
 
-    def batches():
-        rng = np.random.default_rng(index)
-        for _ in range(12):
-            time.sleep(SLEEP)
-            yield rng.standard_normal((16, 8)).astype("float32")
+    def slowly(x):
+        # The wait runs in the pipeline's own threads, not in Python: TensorFlow's profiler
+        # can crash when it stops a trace while another thread runs Python, as a
+        # from_generator input's does (tensorflow/tensorboard#3149; docs/profiling.md).
+        start = tf.timestamp()
+        spins = tf.while_loop(lambda i: tf.timestamp() - start < SLEEP, lambda i: i + 1, [0])
+        return x + 0.0 * tf.cast(spins, x.dtype)
 
     def dataset_fn(context):
-        spec = tf.TensorSpec((16, 8), tf.float32)
-        return tf.data.Dataset.from_generator(batches, output_signature=spec)
+        x = np.random.default_rng(index).standard_normal((12 * 16, 8)).astype("float32")
+        return tf.data.Dataset.from_tensor_slices(x).batch(16).map(slowly)
 
     def replica_step(x):
         with tf.GradientTape() as tape:
@@ -130,7 +132,7 @@ sys.exit(main(["profile", "-n", "2", "--trace-steps", "3,9", "--timeout", "240",
                "--out", {str(tmp_path / "out")!r}, "job.py"]))
 """
     done = run_python(code, timeout=300, cwd=str(tmp_path))
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-8000:]
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert [w["worker"] for w in report["workers"]] == [0, 1]
     assert report["straggler"]["worker"] == 1

@@ -216,15 +216,26 @@ def _profile_workers(
             label = failure.label if failure else "worker 0"
             try:
                 with open(log_path(scratch, label), errors="replace") as handle:
-                    tail = handle.read()[-2000:]
+                    tail = handle.read()[-6000:]
             except OSError:
                 tail = "(no output)"
+            fix = f"run it as a job first: tfscale launch -n {args.workers} {script}"
+            if "Segmentation fault" in tail and "profiler" in tail:
+                # TensorFlow's profiler can crash when it stops a trace while another thread
+                # runs Python (a from_generator input's thread):
+                # tensorflow/tensorboard#3149, open since 2020.
+                fix = (
+                    "TensorFlow's profiler crashed stopping the trace while another thread ran "
+                    "Python (a from_generator or py_function input does; "
+                    "tensorflow/tensorboard#3149): profile without a trace, --trace-steps 0,0, "
+                    "or feed the input through tf.data ops"
+                )
             raise ProfileError(
                 explain(
                     f"The {args.workers}-worker job failed before any worker wrote its timing "
                     f"(exit status {done.exit_code}).",
                     received=f"{label}'s output ends with:\n{tail}",
-                    fix=f"run it as a job first: tfscale launch -n {args.workers} {script}",
+                    fix=fix,
                 )
             )
         report = merge_workers(read_workers(parts), script)
