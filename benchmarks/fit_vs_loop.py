@@ -4,11 +4,12 @@ The loop is what a user writing tf.distribute by hand would write (TensorFlow's 
 training loop guide): a ``tf.data`` pipeline distributed with
 ``experimental_distribute_dataset``, one ``tf.function`` running ``strategy.run`` of a
 ``GradientTape`` step, ``optimizer.apply_gradients``, the loss summed across replicas and
-read once per epoch. By default each step reads its batch inside the function (the guide's
-"iterating inside a tf.function", the faster form); ``--loop batches`` reads batches in
-Python (``for batch in dist_dataset``), slower over several devices. Both sides train the
-same model (same initial weights), on the same data, global batch and update (Adam on the
-mean gradient over the global batch), from the same input kind:
+read once per epoch. By default (the faster form) one iterator serves a call's epochs (the
+data repeated, as tfscale.fit does) and each step reads its batch inside the function (the
+guide's "iterating inside a tf.function"); ``--loop batches`` is the guide's first form, a
+``for batch in dist_dataset`` pass per epoch (an iterator per epoch, batches read in
+Python). Both sides train the same model (same initial weights), on the same data, global
+batch and update (Adam on the mean gradient over the global batch), from the same input:
 
 - ``arrays``: ``tfscale.fit(model, x, y, shuffle=True)``; the loop reshuffles
   ``from_tensor_slices((x, y))`` every epoch (``shuffle(n)``).
@@ -80,10 +81,10 @@ def _batches(x: np.ndarray, y: np.ndarray, batch: int, epochs: int) -> Iterator[
 class _Loop:
     """The hand-written tf.distribute loop (one per model, traced on its first call).
 
-    ``form="iterator"`` (the default, the faster): each call of the compiled step reads its
-    batch from the distributed iterator inside the function (``next(iterator)``), the end
-    of an epoch is the ``OutOfRangeError`` it raises; ``form="batches"``: the tutorial's
-    ``for batch in distributed_dataset: step(batch)``, which reads each batch in Python.
+    ``form="iterator"`` (the default, the faster): one iterator for all epochs, each call of
+    the compiled step reading its batch inside the function (``next(iterator)``);
+    ``form="batches"``: the tutorial's ``for batch in distributed_dataset: step(batch)`` per
+    epoch, which reads each batch in Python.
     """
 
     def __init__(
@@ -111,23 +112,21 @@ class _Loop:
         self.on_batch = tf.function(step)
         self.on_iterator = tf.function(lambda iterator: step(*next(iterator)))
 
-    def __call__(self, dataset: tf.data.Dataset, epochs: int) -> float:
+    def __call__(self, dataset: tf.data.Dataset, epochs: int, steps: int) -> float:
+        """Trains ``epochs`` epochs of ``steps`` batches: with ``form="iterator"`` the data
+        of all epochs (``dataset``: repeated) through one iterator, as tfscale.fit does;
+        with ``"batches"`` one pass over ``dataset`` (one epoch) per epoch."""
         distributed = self.strategy.experimental_distribute_dataset(dataset)
         loss = 0.0
+        iterator = iter(distributed) if self.form == "iterator" else None
         for _ in range(epochs):
-            total, steps = tf.constant(0.0), 0
-            if self.form == "batches":
+            total = tf.constant(0.0)
+            if iterator is None:
                 for x, y in distributed:
                     total += self.on_batch(x, y)
-                    steps += 1
             else:
-                iterator = iter(distributed)
-                while True:
-                    try:
-                        total += self.on_iterator(iterator)
-                    except tf.errors.OutOfRangeError:
-                        break
-                    steps += 1
+                for _ in range(steps):
+                    total += self.on_iterator(iterator)
             loss = float(total) / steps  # read once per epoch, as a loop that logs would
         return loss
 
@@ -154,14 +153,17 @@ def _sides(
     fit = {"batch_size": None, "epochs": epochs, "verbose": 0, "strategy": strategy}
 
     def run_loop() -> None:
+        # One iterator over every epoch's data ("iterator"), or one pass per epoch.
+        passes = epochs if loop.form == "iterator" else 1
         if input_kind == "generator":
             source = tf.data.Dataset.from_generator(
-                lambda: _batches(x, y, batch, 1), output_signature=signature
+                lambda: _batches(x, y, batch, passes), output_signature=signature
             )
-            loop(source.prefetch(tf.data.AUTOTUNE), epochs)
+            loop(source.prefetch(tf.data.AUTOTUNE), epochs, steps)
         else:
             # Arrays: the pipeline a loop writer makes of them; tf.data: the given dataset.
-            loop(pipeline() if input_kind == "arrays" else dataset, epochs)
+            data = pipeline() if input_kind == "arrays" else dataset
+            loop(data.repeat(passes) if passes > 1 else data, epochs, steps)
 
     def run_fit() -> None:
         if input_kind == "arrays":
@@ -222,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"tfscale.fit vs a hand-written strategy.run loop: {args.examples} examples, global "
         f"batch {args.batch}, {args.epochs} epochs per call, {args.repeats} alternating repeats, "
-        f"loop reading {'in the step' if args.loop == 'iterator' else 'batches in Python'}"
+        f"loop: {'one iterator, read in the step' if args.loop == 'iterator' else 'for batch in'}"
     )
     print(
         "ratio = loop seconds / tfscale.fit seconds, per repeat (>= 1: tfscale.fit at least as "
