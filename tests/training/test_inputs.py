@@ -3,8 +3,6 @@ and the profiling hooks work; models built outside the scope train in place."""
 
 from __future__ import annotations
 
-import threading
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +14,6 @@ import tensorflow as tf
 import tfscale
 from tfscale.testing import relative_difference
 from tfscale.training import Trainer
-from tfscale.training.data import EpochOrder
 from tfscale.training.prepare import prepared
 
 from .helpers import CLASSES, DATA, FEATURES, batches, reference_weights, strategy_for, tiny_model
@@ -369,10 +366,6 @@ def test_unknown_length_data_ends_each_epoch_with_one_or_several_steps_per_call(
     assert results == [(1, False)] * 8 + [(0, True)]
 
 
-def _record_thread(names: dict[int, str], key: int) -> None:
-    names[key] = threading.current_thread().name
-
-
 def test_one_distributed_iterator_serves_every_epoch_of_a_fit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -381,12 +374,9 @@ def test_one_distributed_iterator_serves_every_epoch_of_a_fit(
     from keras.src.backend.tensorflow.trainer import TFEpochIterator
 
     made: list[int] = []  # the epoch iterator object each new iterator was made for
-    released_by: dict[int, str] = {}  # the thread that dropped each epoch iterator
     original = TFEpochIterator._get_iterator
 
     def counting(self: Any) -> Any:
-        if id(self) not in made:
-            weakref.finalize(self, _record_thread, released_by, id(self))
         made.append(id(self))
         return original(self)
 
@@ -396,7 +386,6 @@ def test_one_distributed_iterator_serves_every_epoch_of_a_fit(
     dataset = batches(x, y, 32)
     for data in ({"x": x, "y": y, "batch_size": 32, "shuffle": False}, {"x": dataset}):
         made.clear()
-        released_by.clear()
         model = tiny_model(strategy, "adam", lr=0.01)
         history = tfscale.fit(
             model, epochs=4, validation_data=(x[:64], y[:64]), strategy=strategy, verbose=0,
@@ -406,53 +395,12 @@ def test_one_distributed_iterator_serves_every_epoch_of_a_fit(
         # evaluate resets its own every time: validation makes one per epoch.)
         assert made.count(made[0]) == 1, made
         assert history.epoch == [0, 1, 2, 3] and int(model.optimizer.iterations.numpy()) == 32
-        # It is destroyed (its prefetch threads joined) off the caller's thread, which does
-        # not wait for it: the call returned as training ended (#26).
-        for thread in threading.enumerate():
-            if thread.name == "tfscale-input-release":
-                thread.join(timeout=30)
-        assert released_by.get(made[0]) == "tfscale-input-release", released_by
         expected = reference_weights(x, y, batch=32, steps=8, optimizer="adam", lr=0.01, epochs=4)
         assert relative_difference(model.get_weights(), expected) <= 1e-5
     made.clear()
     keras_model = tiny_model(strategy, "adam", lr=0.01)
     keras_model.fit(dataset, epochs=4, validation_data=(x[:64], y[:64]), verbose=0)
     assert made.count(made[0]) >= 8  # Keras alone: 2 per epoch for training (+1 to build)
-
-
-def test_arrays_are_cut_per_replica_by_graph_ops_alone_as_tf_distribute_splits_them() -> None:
-    """An array fit's input has no Python in it (no ``from_generator`` / ``py_function``:
-    nothing waits on Python per batch), and on one worker it yields each replica's share of
-    each global batch, exactly what ``experimental_distribute_dataset`` makes of the global
-    batches (short last batches and replicas left empty included)."""
-    for replicas in (2, 4):
-        strategy = strategy_for(replicas)
-        for count, batch in ((13, 8), (9, 4), (5, 8)):
-            x = np.arange(count * 2, dtype=np.float32).reshape(count, 2)
-            y = np.arange(count)
-            kw: dict[str, Any] = {"epochs": range(1, 3), "shuffle": True, "seed": 5}
-            whole = EpochOrder((x, y, None), batch, **kw).dataset
-            shares = EpochOrder((x, y, None), batch, replicas=replicas, **kw).dataset
-
-            def seen(distributed: Any, local: Any = strategy.experimental_local_results) -> Any:
-                return [[t.numpy().tolist() for t in local(y)] for _, y in distributed]
-
-            expected = seen(strategy.experimental_distribute_dataset(whole))
-            got = seen(strategy.distribute_datasets_from_function(lambda _, d=shares: d))
-            assert got == expected, (replicas, count, batch)
-    assert len(expected) == 2 and [] in expected[0], expected  # 5 examples: replicas left empty
-
-    def ops(dataset: tf.data.Dataset) -> set[str]:
-        graph = tf.compat.v1.GraphDef.FromString(dataset._as_serialized_graph().numpy())
-        functions = [node.op for f in graph.library.function for node in f.node_def]
-        return {node.op for node in graph.node} | set(functions)
-
-    python = {"PyFunc", "PyFuncStateless", "EagerPyFunc", "GeneratorDataset"}
-    assert not ops(shares) & python, ops(shares)
-    made_in_python = tf.data.Dataset.from_generator(
-        lambda: iter([1]), output_signature=tf.TensorSpec((), tf.int32)
-    )
-    assert ops(made_in_python) & python  # what the check finds when Python is there
 
 
 # -- generator-backed inputs: TensorFlow writes into the user's arrays --------------------------
