@@ -15,11 +15,15 @@ per-repeat ratios, so a noisy machine affects both sides alike.
 ``--calls N`` measures instead the wall time of a whole call of ``--call-epochs`` epochs
 (default 2; ``tfscale.fit`` or ``model.fit``) on a model that has already been trained once,
 N calls per side, alternating: what a second call costs when the compiled functions are
-reused (no retrace), and, with many short epochs, what an iterator per epoch costs.
+reused (no retrace), and, with many short epochs, what an iterator per epoch costs. Each
+call's time outside training (before the callbacks' ``on_train_begin`` and after their
+``on_train_end``: set-up and tear-down) is shown as its median and worst over the N calls,
+for arrays and a ``tf.data`` dataset (``--call-inputs``); tfscale.fit runs with its
+non-finite guard on, as by default.
 
     python benchmarks/fit_vs_keras.py [--epochs 4] [--repeats 5] [--examples 4096]
         [--models mlp,cnn] [--devices 1,2] [--steps-per-execution 1,8]
-        [--calls N [--call-epochs E]]
+        [--calls N [--call-epochs E] [--call-inputs arrays,tf.data]]
 """
 
 from __future__ import annotations
@@ -85,30 +89,48 @@ def _measure(runner: str, kind: str, strategy: Any, spe: int, data: Any, epochs:
     return len(x) / min(clock.times[1:])
 
 
-def _call_seconds(
-    kind: str, strategy: Any, spe: int, data: Any, calls: int, epochs: int
-) -> dict[str, float]:
-    """Median wall seconds of an ``epochs``-epoch call on a warm model, for each loop."""
-    x, y = data
-    models = {"keras": _model(kind, strategy, spe), "tfscale": _model(kind, strategy, spe)}
+class _Window(keras.callbacks.Callback):  # type: ignore[misc]
+    """When training began and ended, as the callbacks see it."""
 
-    def call(runner: str) -> float:
+    def on_train_begin(self, logs: Any = None) -> None:
+        self.begin = time.perf_counter()
+
+    def on_train_end(self, logs: Any = None) -> None:
+        self.end = time.perf_counter()
+
+
+def _call_seconds(
+    kind: str, strategy: Any, data: Any, input_kind: str, calls: int, epochs: int
+) -> dict[str, tuple[list[float], list[float]]]:
+    """Wall seconds of ``calls`` calls of ``epochs`` epochs on a warm model, for each loop,
+    alternating: ``{runner: (whole calls, time outside training)}``."""
+    x, y = data
+    models = {"keras": _model(kind, strategy, 1), "tfscale": _model(kind, strategy, 1)}
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x)).batch(BATCH)
+    given = {"x": x, "y": y, "batch_size": BATCH} if input_kind == "arrays" else {"x": dataset}
+
+    def call(runner: str) -> tuple[float, float]:
+        window = _Window()
         start = time.perf_counter()
         if runner == "keras":
-            models[runner].fit(x, y, batch_size=BATCH, epochs=epochs, verbose=0)
+            models[runner].fit(**given, epochs=epochs, callbacks=[window], verbose=0)
         else:
             tfscale.fit(
-                models[runner], x, y, batch_size=BATCH, epochs=epochs, strategy=strategy, verbose=0
-            )
-        return time.perf_counter() - start
+                models[runner], **given, epochs=epochs, callbacks=[window], strategy=strategy,
+                verbose=0,
+            )  # fmt: skip
+        seconds = time.perf_counter() - start
+        return seconds, seconds - (window.end - window.begin)
 
     for runner in models:
         call(runner)  # traces
-    seconds: dict[str, list[float]] = {runner: [] for runner in models}
-    for _ in range(calls):
-        for runner in models:
-            seconds[runner].append(call(runner))
-    return {runner: statistics.median(values) for runner, values in seconds.items()}
+    out: dict[str, tuple[list[float], list[float]]] = {runner: ([], []) for runner in models}
+    for i in range(calls):
+        for runner in models if i % 2 == 0 else reversed(list(models)):
+            whole, outside = call(runner)
+            out[runner][0].append(whole)
+            out[runner][1].append(outside)
+    return out
 
 
 def _calls_table(args: argparse.Namespace) -> int:
@@ -117,20 +139,33 @@ def _calls_table(args: argparse.Namespace) -> int:
 
     table = Table(
         title=f"a {args.call_epochs}-epoch call of {args.examples} examples on a trained model, "
-        f"median of {args.calls} calls"
+        f"{args.calls} calls each; outside training: median / worst, ms"
     )
-    for column in ("model", "devices", "all-reduce", "keras fit s", "tfscale.fit s", "ratio"):
+    columns = ("model", "devices", "all-reduce", "input", "keras fit s", "tfscale.fit s",
+               "ratio", "keras outside", "tfscale outside")  # fmt: skip
+    for column in columns:
         table.add_column(column, justify="right")
     strategies = _strategies(args.devices)  # once: see tensorflow/tensorflow#62790
     for kind in args.models.split(","):
         data = _data(kind, args.examples)
         for replicas, reduction, strategy in strategies:
-            seconds = _call_seconds(kind, strategy, 1, data, args.calls, args.call_epochs)
-            ratio = seconds["tfscale"] / seconds["keras"]
-            row = (kind, str(replicas), reduction)
-            cells = (f"{seconds['keras']:.3f}", f"{seconds['tfscale']:.3f}", f"{ratio:.2f}x")
-            table.add_row(*row, *cells)
-            print(*row, *cells, flush=True)
+            for input_kind in args.call_inputs.split(","):
+                seconds = _call_seconds(
+                    kind, strategy, data, input_kind, args.calls, args.call_epochs
+                )
+                whole = {r: statistics.median(v[0]) for r, v in seconds.items()}
+                outside = {
+                    r: f"{statistics.median(v[1]) * 1e3:.0f} / {max(v[1]) * 1e3:.0f}"
+                    for r, v in seconds.items()
+                }
+                ratio = whole["tfscale"] / whole["keras"]
+                row = (kind, str(replicas), reduction, input_kind)
+                cells = (
+                    f"{whole['keras']:.3f}", f"{whole['tfscale']:.3f}", f"{ratio:.2f}x",
+                    outside["keras"], outside["tfscale"],
+                )  # fmt: skip
+                table.add_row(*row, *cells)
+                print(*row, *cells, flush=True)
     Console().print(table)
     return 0
 
@@ -161,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps-per-execution", type=_ints, default=[1, 8])
     parser.add_argument("--calls", type=int, default=0)
     parser.add_argument("--call-epochs", type=int, default=2)
+    parser.add_argument("--call-inputs", default="arrays,tf.data")
     args = parser.parse_args(argv)
     if args.calls:
         return _calls_table(args)
