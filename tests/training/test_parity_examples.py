@@ -32,8 +32,14 @@ MULTIWORKER_CASES = (
     "class_weight",
     "early_stopping_min_delta",
     "gradient_accumulation_adam",
-    # Sparse gradients gathered across workers (the reference: one device, dense gradients).
+    # Sparse gradients gathered across workers (the reference: one device, dense gradients):
+    # the classifier with Adam, and the embeddings under the other sparse-aware optimizers.
     "transformer_classifier_adam",
+    "token_and_position_embedding_adamw",
+    "token_and_position_embedding_rmsprop",
+    "token_and_position_embedding_adagrad",
+    "token_and_position_embedding_nadam",
+    "token_and_position_embedding_lion",
 )
 
 # Each worker runs the registry's own runner: the one-device model.fit reference in its
@@ -63,7 +69,7 @@ with open(sys.argv[1] + ".json", "w") as handle:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_cases_across_two_worker_processes_match_one_device(tmp_path: Path) -> None:
-    """9 cases trained by 2 worker processes (MultiWorkerMirroredStrategy, one CPU each),
+    """14 cases trained by 2 worker processes (MultiWorkerMirroredStrategy, one CPU each),
     each checked against one-device model.fit with the case's own checks."""
     run_workers(_WORKER, [str(tmp_path / "w"), str(TESTS), ",".join(MULTIWORKER_CASES)])
     for index in range(2):
