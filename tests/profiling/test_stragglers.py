@@ -183,3 +183,14 @@ def test_profile_merge_builds_one_report_from_the_workers_parts(tmp_path: Path) 
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["straggler"]["worker"] == 1 and report["straggler"]["cause"] == "input-bound"
     assert main(["profile", "--merge", str(tmp_path / "empty"), "--out", str(tmp_path)]) == 2
+
+
+def test_a_segfault_while_profiling_is_explained_with_the_way_out() -> None:
+    from tfscale.profiling.script import trace_crash_fix
+
+    # -11: a child killed by SIGSEGV; 139: the launcher's status for one; or faulthandler's line.
+    for status, output in ((-11, ""), (139, ""), (1, "Fatal Python error: Segmentation fault")):
+        fix = trace_crash_fix(status, output)
+        assert fix is not None and "--trace-steps 0,0" in fix and "#3149" in fix
+    assert trace_crash_fix(1, "ValueError: bad input") is None
+    assert trace_crash_fix(0) is None

@@ -95,7 +95,12 @@ def run(args: argparse.Namespace) -> int:
 
     from tfscale.errors import ProfileError, explain
     from tfscale.profiling.report import print_summary, write_report
-    from tfscale.profiling.script import ONE_REPLICA_ENV, TRACES_ENV, script_report
+    from tfscale.profiling.script import (
+        ONE_REPLICA_ENV,
+        TRACES_ENV,
+        script_report,
+        trace_crash_fix,
+    )
     from tfscale.script_runner import check_script, run_in_child
 
     first, stop = trace_window(args.trace_steps)
@@ -138,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
                 explain(
                     "The script ended before any timing could be written.",
                     received=f"{script} (exit status {ran.status})",
-                    fix="run it on its own first: python " + script,
+                    fix=trace_crash_fix(ran.status) or "run it on its own first: python " + script,
                 )
             )
         with open(out_json) as handle:
@@ -179,6 +184,7 @@ def _profile_workers(
         merge_workers,
         profiled_command,
         read_workers,
+        trace_crash_fix,
     )
     from tfscale.script_runner import child_environment
     from tfscale.virtual_devices import ENV_VAR
@@ -219,17 +225,9 @@ def _profile_workers(
                     tail = handle.read()[-6000:]
             except OSError:
                 tail = "(no output)"
-            fix = f"run it as a job first: tfscale launch -n {args.workers} {script}"
-            if "Segmentation fault" in tail and "profiler" in tail:
-                # TensorFlow's profiler can crash when it stops a trace while another thread
-                # runs Python (a from_generator input's thread):
-                # tensorflow/tensorboard#3149, open since 2020.
-                fix = (
-                    "TensorFlow's profiler crashed stopping the trace while another thread ran "
-                    "Python (a from_generator or py_function input does; "
-                    "tensorflow/tensorboard#3149): profile without a trace, --trace-steps 0,0, "
-                    "or feed the input through tf.data ops"
-                )
+            fix = trace_crash_fix(done.exit_code, tail) or (
+                f"run it as a job first: tfscale launch -n {args.workers} {script}"
+            )
             raise ProfileError(
                 explain(
                     f"The {args.workers}-worker job failed before any worker wrote its timing "

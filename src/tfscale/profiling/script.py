@@ -30,6 +30,7 @@ __all__ = [
     "read_workers",
     "run_script",
     "script_report",
+    "trace_crash_fix",
     "trace_logdir",
     "worker_output",
 ]
@@ -43,6 +44,27 @@ ONE_REPLICA_ENV = "TFSCALE_PROFILE_ONE_REPLICA"
 #: Where the trace windows are kept, one TensorBoard run per process (``script``,
 #: ``one-replica``, ``worker-<index>``); unset: a worker's part folder's ``trace/``, else none.
 TRACES_ENV = "TFSCALE_PROFILE_TRACES"
+
+
+def trace_crash_fix(status: int | None, output: str = "") -> str | None:
+    """The way out when a profiled process died of a segfault (status -11 or 139, or
+    faulthandler's line in its output), None otherwise.
+
+    TensorFlow's profiler can crash when it stops a trace while another thread runs Python,
+    as a ``from_generator`` or ``py_function`` input's does (tensorflow/tensorboard#3149, open
+    since 2020); the children run with faulthandler on (``script_runner.child_environment``),
+    so the stack is in their output.
+    """
+    import signal
+
+    if status not in (-signal.SIGSEGV, 128 + signal.SIGSEGV) and "Segmentation fault" not in output:
+        return None
+    return (
+        "a segfault while profiling is most likely TensorFlow's profiler stopping the trace "
+        "while another thread ran Python (a from_generator or py_function input; "
+        "tensorflow/tensorboard#3149): profile without a trace, --trace-steps 0,0, or feed "
+        "the input through tf.data ops"
+    )
 
 
 def trace_logdir(out_json: str) -> str | None:
