@@ -69,6 +69,10 @@ def test_a_loop_step_is_the_gap_as_input_and_the_call_or_the_trace_shares() -> N
     assert traced.method == "trace" and traced.input_s == 0.0
     assert (traced.compute_s, traced.communication_s) == pytest.approx((0.375, 0.125))
     assert steps.replicas == 2 and steps.summary()["examples_per_s"] == pytest.approx(128)
+    # --trace-steps 0,0 (or FIRST alone) is no trace at all, not a trace of step 0.
+    for window in ((0, 0), (4, 4)):
+        assert LoopSteps(Strategy(), trace_steps=window).trace_steps is None
+    assert LoopSteps(Strategy(), trace_steps=(3, 6)).trace_steps == (3, 6)
 
 
 @pytest.mark.multiprocess
@@ -91,3 +95,6 @@ sys.exit(main(["profile", "--out", {str(tmp_path / "out")!r}, "--trace-steps", "
     assert point["speedup"] == pytest.approx(point["examples_per_s"] / one["examples_per_s"])
     assert point["method"] == "trace" and point["trace_shares"]
     assert any("Compared with the same script on 1 replica" in n for n in report["notes"])
+    # The trace windows stay, one TensorBoard run per process (its profile plugin reads them).
+    for run in ("script", "one-replica"):
+        assert list((tmp_path / "out" / "trace" / run).glob("plugins/profile/*/*.xplane.pb"))

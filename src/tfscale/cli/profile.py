@@ -87,6 +87,7 @@ def trace_window(text: str) -> tuple[int, int]:
 def run(args: argparse.Namespace) -> int:
     """Runs the script in a child process (and again on 1 replica), then builds and prints
     the report."""
+    import dataclasses
     import json
     import os
     import tempfile
@@ -98,9 +99,12 @@ def run(args: argparse.Namespace) -> int:
     from tfscale.profiling.script import (
         ONE_REPLICA_ENV,
         TRACES_ENV,
+        crash_retries,
+        crashed,
         script_report,
-        trace_crash_fix,
+        trace_crash_note,
     )
+    from tfscale.profiling.timeline import traced
     from tfscale.script_runner import check_script, run_in_child
 
     first, stop = trace_window(args.trace_steps)
@@ -122,11 +126,13 @@ def run(args: argparse.Namespace) -> int:
 
     traces = {TRACES_ENV: os.path.abspath(os.path.join(args.out, "trace"))}
 
-    def measure(scratch: str, name: str, env: dict[str, str]) -> tuple[dict[str, Any], int]:
+    def attempt(
+        scratch: str, name: str, env: dict[str, str], window: tuple[int, int]
+    ) -> tuple[dict[str, Any] | None, int | None]:
         out_json = os.path.join(scratch, name)
         ran = run_in_child(
             "tfscale.profiling.script",
-            [out_json, str(first), str(stop), script, *args.args],
+            [out_json, str(window[0]), str(window[1]), script, *args.args],
             timeout=args.timeout,
             env={**traces, **env},
         )
@@ -139,15 +145,39 @@ def run(args: argparse.Namespace) -> int:
                 )
             )
         if not os.path.exists(out_json):
+            return None, ran.status
+        with open(out_json) as handle:
+            return json.load(handle), ran.status
+
+    notes: list[str] = []
+
+    def measure(scratch: str, name: str, env: dict[str, str]) -> tuple[dict[str, Any], int]:
+        data, status = attempt(scratch, name, env, (first, stop))
+        crashes: list[int | None] = []
+        for window in crash_retries((first, stop)):
+            if data is not None or not crashed(status):
+                break
+            # The profiler's known crash (trace_crash_note): traced once more, then untraced.
+            crashes.append(status)
+            console.print(
+                f"The script crashed (exit status {status}) while traced: running it again"
+                + ("" if traced(window) else " without a trace")
+                + ".",
+                markup=False,
+                soft_wrap=True,
+            )
+            data, status = attempt(scratch, name, env, window)
+        if crashes:
+            notes.append(trace_crash_note("The script", crashes, (first, stop)))
+        if data is None:
             raise ProfileError(
                 explain(
                     "The script ended before any timing could be written.",
-                    received=f"{script} (exit status {ran.status})",
-                    fix=trace_crash_fix(ran.status) or "run it on its own first: python " + script,
+                    received=f"{script} (exit status {status})",
+                    fix="run it on its own first: python " + script,
                 )
             )
-        with open(out_json) as handle:
-            return json.load(handle), int(ran.status or 0)
+        return data, int(status or 0)
 
     with tempfile.TemporaryDirectory(prefix="tfscale-profile-") as scratch:
         with console.status(f"profiling {script} on its devices"):
@@ -158,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
             with console.status(f"profiling {script} on 1 replica, for the comparison"):
                 reference, _ = measure(scratch, "one.json", {ONE_REPLICA_ENV: "1"})
     report = script_report(data, script, reference)
+    if notes:
+        report = dataclasses.replace(report, notes=[*notes, *report.notes])
     write_report(report, args.out)
     print_summary(report, args.out)
     for note in report.notes[2:]:
@@ -171,6 +203,7 @@ def _profile_workers(
 ) -> int:
     """``-n N``: the script as a local N-worker job of the launcher, each worker timed and
     writing its part; one report with a row per worker and the straggler."""
+    import dataclasses
     import os
     import tempfile
 
@@ -181,11 +214,14 @@ def _profile_workers(
     from tfscale.profiling.report import print_summary, write_report
     from tfscale.profiling.script import (
         TRACES_ENV,
+        crash_retries,
+        crashed,
         merge_workers,
         profiled_command,
         read_workers,
-        trace_crash_fix,
+        trace_crash_note,
     )
+    from tfscale.profiling.timeline import traced
     from tfscale.script_runner import child_environment
     from tfscale.virtual_devices import ENV_VAR
 
@@ -197,8 +233,10 @@ def _profile_workers(
     env.setdefault(ENV_VAR, "1")  # one replica per worker, as tfscale launch gives it
     env[TRACES_ENV] = os.path.abspath(os.path.join(args.out, "trace"))
     gpus = visible_gpus(env)
-    with tempfile.TemporaryDirectory(prefix="tfscale-profile-") as scratch:
-        parts = os.path.join(scratch, "parts")
+
+    def run(scratch: str, parts: str, window: tuple[int, int]) -> tuple[Any, str]:
+        """The job with this trace window: its outcome, and the output of the worker that
+        failed (empty when none did)."""
         job = LocalJob(
             script=profiled_command((script, *args.args), parts, window),
             workers=args.workers,
@@ -213,30 +251,54 @@ def _profile_workers(
                 output_dir=scratch,
                 log=lambda line: None,
             )
-        # A worker makes the folder when it starts, so look for the parts themselves.
-        written = os.path.isdir(parts) and any(
-            name.startswith("worker-") and name.endswith(".json") for name in os.listdir(parts)
-        )
-        if done.exit_code != 0 and not written:
-            failure = done.failures[-1] if done.failures else None
-            label = failure.label if failure else "worker 0"
-            try:
-                with open(log_path(scratch, label), errors="replace") as handle:
-                    tail = handle.read()[-6000:]
-            except OSError:
-                tail = "(no output)"
-            fix = trace_crash_fix(done.exit_code, tail) or (
-                f"run it as a job first: tfscale launch -n {args.workers} {script}"
+        if done.exit_code == 0:
+            return done, ""
+        failure = done.failures[-1] if done.failures else None
+        label = failure.label if failure else "worker 0"
+        try:
+            with open(log_path(scratch, label), errors="replace") as handle:
+                return done, f"{label}'s output ends with:\n" + handle.read()[-6000:]
+        except OSError:
+            return done, f"{label}: (no output)"
+
+    def written(parts: str) -> int:
+        # A worker makes the folder when it starts, so count the parts themselves.
+        if not os.path.isdir(parts):
+            return 0
+        return sum(n.startswith("worker-") and n.endswith(".json") for n in os.listdir(parts))
+
+    notes: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="tfscale-profile-") as scratch:
+        parts = os.path.join(scratch, "parts")
+        done, tail = run(scratch, parts, window)
+        crashes: list[int | None] = []
+        for again in crash_retries(window):
+            if written(parts) == args.workers or not crashed(done.exit_code, tail):
+                break
+            # The profiler's known crash (trace_crash_note): traced once more, then untraced.
+            crashes.append(done.exit_code)
+            console.print(
+                f"A worker crashed (exit status {done.exit_code}) while traced: running the "
+                "job again" + ("" if traced(again) else " without a trace") + ".",
+                markup=False,
+                soft_wrap=True,
             )
+            parts = os.path.join(scratch, f"parts-{len(crashes)}")
+            done, tail = run(scratch, parts, again)
+        if crashes:
+            notes.append(trace_crash_note("A worker", crashes, window))
+        if done.exit_code != 0 and not written(parts):
             raise ProfileError(
                 explain(
                     f"The {args.workers}-worker job failed before any worker wrote its timing "
                     f"(exit status {done.exit_code}).",
-                    received=f"{label}'s output ends with:\n{tail}",
-                    fix=fix,
+                    received=tail,
+                    fix=f"run it as a job first: tfscale launch -n {args.workers} {script}",
                 )
             )
         report = merge_workers(read_workers(parts), script)
+    if notes:
+        report = dataclasses.replace(report, notes=[*notes, *report.notes])
     write_report(report, args.out)
     print_summary(report, args.out)
     _trace_line(args.out, console)

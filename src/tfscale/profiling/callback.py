@@ -20,7 +20,13 @@ import keras
 
 from tfscale.profiling.metrics import shares
 from tfscale.profiling.steptime import Breakdown, StepTimes, breakdown, to_record
-from tfscale.profiling.timeline import STEP_MARKER, find_xplane, read_xplane, trace_breakdown
+from tfscale.profiling.timeline import (
+    STEP_MARKER,
+    find_xplane,
+    read_xplane,
+    trace_breakdown,
+    traced,
+)
 
 __all__ = ["EpochClock", "ProfileCallback"]
 
@@ -70,7 +76,8 @@ class ProfileCallback(keras.callbacks.Callback):  # type: ignore[misc]
         super().__init__()
         self.batch_size = batch_size
         self.warmup = warmup
-        self.trace_steps = trace_steps
+        # An empty window (0,0, or FIRST alone) is no trace at all.
+        self.trace_steps = trace_steps if traced(trace_steps) else None
         self.logdir = logdir
         self.step_s: list[float] = []
         self.fetch_s: list[float] = []

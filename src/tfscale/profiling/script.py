@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tfscale.internals import dataset_batch_size
+from tfscale.profiling.timeline import traced
 from tfscale.script_runner import run_as_main, split_cpu_when_alone
 from tfscale.strategy_hooks import watch_fits
 
@@ -24,14 +25,17 @@ __all__ = [
     "TRACES_ENV",
     "WORKER_FILE",
     "batch_size_of",
+    "crash_retries",
+    "crashed",
     "main",
     "merge_workers",
     "profiled_command",
     "read_workers",
     "run_script",
     "script_report",
-    "trace_crash_fix",
+    "trace_crash_note",
     "trace_logdir",
+    "traced",
     "worker_output",
 ]
 
@@ -46,24 +50,50 @@ ONE_REPLICA_ENV = "TFSCALE_PROFILE_ONE_REPLICA"
 TRACES_ENV = "TFSCALE_PROFILE_TRACES"
 
 
-def trace_crash_fix(status: int | None, output: str = "") -> str | None:
-    """The way out when a profiled process died of a segfault (status -11 or 139, or
-    faulthandler's line in its output), None otherwise.
+#: Signals a crash in native code ends a process with (Popen: -N; the launcher, as a shell: 128+N).
+_CRASH_SIGNALS = ("SIGSEGV", "SIGABRT", "SIGBUS")
 
-    TensorFlow's profiler can crash when it stops a trace while another thread runs Python,
-    as a ``from_generator`` or ``py_function`` input's does (tensorflow/tensorboard#3149, open
-    since 2020); the children run with faulthandler on (``script_runner.child_environment``),
-    so the stack is in their output.
-    """
+
+def crashed(status: int | None, output: str = "") -> bool:
+    """Whether a profiled process died of a crash in native code: a SIGSEGV, SIGABRT or
+    SIGBUS (exit status -N, or 128+N from the launcher), or faulthandler's fatal-error line in
+    its output (the children run with faulthandler on: ``script_runner.child_environment``)."""
     import signal
 
-    if status not in (-signal.SIGSEGV, 128 + signal.SIGSEGV) and "Segmentation fault" not in output:
-        return None
-    return (
-        "a segfault while profiling is most likely TensorFlow's profiler stopping the trace "
-        "while another thread ran Python (a from_generator or py_function input; "
-        "tensorflow/tensorboard#3149): profile without a trace, --trace-steps 0,0, or feed "
-        "the input through tf.data ops"
+    numbers = [int(getattr(signal, name)) for name in _CRASH_SIGNALS]
+    if status is not None and (-status in numbers or status - 128 in numbers):
+        return True
+    return "Fatal Python error: " in output
+
+
+def crash_retries(window: tuple[int, int]) -> list[tuple[int, int]]:
+    """The trace windows to run again with, in turn, while a traced run crashes: the same
+    window once more (the crash is a race, most second runs pass), then no trace."""
+    return [window, (0, 0)] if traced(window) else []
+
+
+def trace_crash_note(who: str, statuses: list[int | None], window: tuple[int, int]) -> str:
+    """The report's note when ``who`` crashed while traced (``statuses``: each crashed run's
+    exit status) and the run was repeated (:func:`crash_retries`).
+
+    TensorFlow's profiler can crash the process that stops a trace window (a segfault, or an
+    abort on a corrupted heap: ``munmap_chunk(): invalid pointer``) while other threads run:
+    a ``from_generator`` input's Python, tf.data's or the collectives' threads
+    (tensorflow/tensorboard#3149, open since 2020).
+    """
+    codes = ", ".join(str(s) for s in statuses)
+    head = (
+        f"{who} crashed (exit status {codes}) as TensorFlow's profiler traced steps "
+        f"{window[0]}-{window[1]}, a known upstream crash (tensorflow/tensorboard#3149): "
+    )
+    if len(statuses) == 1:
+        return head + "these timings and the trace come from a second run."
+    return head + (
+        f"these timings come from run {len(statuses) + 1}, without a trace (wall clock: "
+        "across workers, a wait in the collective the input iterator runs counts as input, "
+        "so a straggler may go unnamed). Feeding the input through tf.data ops rather than "
+        "from_generator or py_function makes the crash rarer; docs/profiling.md, "
+        "'A known crash'."
     )
 
 

@@ -38,7 +38,15 @@ __all__ = [
     "read_xplane",
     "sweep",
     "trace_breakdown",
+    "traced",
 ]
+
+
+def traced(window: tuple[int, int] | None) -> bool:
+    """Whether a trace window ``(FIRST, STOP)`` asks for a trace: ``--trace-steps 0,0`` or
+    ``FIRST`` alone (STOP not after FIRST) asks for none."""
+    return window is not None and window[1] > window[0]
+
 
 # Highest priority first: a moment where several classes are active counts as the first.
 CATEGORIES: tuple[str, ...] = ("compute", "communication", "input")
