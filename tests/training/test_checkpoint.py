@@ -120,11 +120,22 @@ def test_stopped_after_epoch_2_of_4_and_resumed_equals_uninterrupted(
     ids=["mid-run", "last-epoch"],
 )
 def test_crash_mid_epoch_resumes_from_the_last_step_checkpoint(
-    crash_epoch: int, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+    crash_epoch: int,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    import tensorflow as tf
+
+    from tfscale.launch.elastic import Drop, elastic_line, read_checkpoint_note
+    from tfscale.launch.together import REPORT_ENV
+
     x, y = DATA
     strategy = strategy_for(2)
     config = CheckpointConfig(str(tmp_path), every_steps=3)
+    # As under tfscale launch: the chief notes each checkpoint in the launcher's report folder.
+    report = tmp_path_factory.mktemp("report")
+    monkeypatch.setenv(REPORT_ENV, str(report))
     keras.utils.set_random_seed(SEED)
     with pytest.raises(RuntimeError, match="simulated crash"):
         tfscale.fit(
@@ -138,6 +149,23 @@ def test_crash_mid_epoch_resumes_from_the_last_step_checkpoint(
             strategy=strategy,
             verbose=0,
         )
+    # The note the launcher's last line reads is the checkpoint the resumed fit starts from.
+    note = read_checkpoint_note(str(report))
+    position = saved_position(str(tmp_path))
+    assert note is not None and position is not None
+    assert note.path == tf.train.latest_checkpoint(str(tmp_path))
+    assert (note.directory, note.epoch, note.batches) == (
+        str(tmp_path),
+        position.epoch,
+        position.batches,
+    )
+    assert note.updates == int(note.path.rsplit("-", 1)[1])
+    below = Drop(slot=2, label="worker 2", why="exit status 1", starts=1, workers_left=1)
+    line = elastic_line(
+        workers=2, finished=None, dropped=[], below=below, min_workers=2, checkpoint=note
+    )
+    assert line is not None and note.path in line
+    monkeypatch.delenv(REPORT_ENV)
     resumed = tiny_model(strategy, "adam", lr=0.01)
     history = tfscale.fit(
         resumed,
