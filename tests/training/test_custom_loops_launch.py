@@ -2,7 +2,8 @@
 over 2 worker processes, collective all-reduce over gRPC), each with its one
 ``tfscale.prepare_loop`` line, give one device's weights: the tutorial's loop (a model
 without ``Input`` and Adam, both built by the first replica step, which fails unprepared
-under the collective all-reduce), the Keras guide's and the users' loop, and accumulation
+under the collective all-reduce), the Keras guide's and the users' loop (SGD, and Adam,
+AdamW and a LossScaleOptimizer built lazily inside ``strategy.run``), and accumulation
 over 2 batches (one all-reduce per update). And the tutorial's loop under
 ``tf.distribute.MirroredStrategy()``'s default (collective) all-reduce over 2 logical CPUs,
 in a child process: unchanged it fails on its first step, with the line it trains."""
@@ -57,6 +58,8 @@ def test_custom_loops_under_tfscale_launch_give_one_device_weights(tmp_path: Pat
         "guide": guide_loop(one, None, x, y),
         "user_sgd": user_loop(one, None, x[:96], y[:96], optimizer_name="sgd"),
         "user_adam": user_loop(one, None, x[:96], y[:96], optimizer_name="adam"),
+        "user_adamw": user_loop(one, None, x[:96], y[:96], optimizer_name="adamw"),
+        "user_lso": user_loop(one, None, x[:96], y[:96], optimizer_name="lso"),
         # accumulation_steps=2 over batches of 16 == one device on batches of 32
         "accumulated": convention_loop(one, None, x[:64], y[:64], "reduce_mean", batch=32)[0],
     }

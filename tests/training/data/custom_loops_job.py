@@ -50,6 +50,9 @@ def main() -> None:
         "guide": guide_loop(strategy, prepare, x, y),
         "user_sgd": user_loop(strategy, prepare, x[:96], y[:96], optimizer_name="sgd"),
         "user_adam": user_loop(strategy, prepare, x[:96], y[:96], optimizer_name="adam"),
+        # Built lazily inside strategy.run as well, under the collective all-reduce (#20.4).
+        "user_adamw": user_loop(strategy, prepare, x[:96], y[:96], optimizer_name="adamw"),
+        "user_lso": user_loop(strategy, prepare, x[:96], y[:96], optimizer_name="lso"),
     }
 
     def accumulate(model: object, optimizer: object) -> object:
