@@ -106,11 +106,21 @@ def test_a_loss_tfscale_cannot_tell_is_refused_before_the_first_update(
 ) -> None:
     x, y = DATA[0][:64], DATA[1][:64]
     strategy = strategy_for(2)
+    prepared: list[Any] = []
+
+    def prepare(model: Any, optimizer: Any) -> Any:
+        prepared.append((model, optimizer, [w.copy() for w in model.get_weights()]))
+        return _prepare(model, optimizer)
+
     with pytest.raises(tfscale.TrainingError) as error:
-        convention_loop(strategy, _prepare, x, y, convention)
+        convention_loop(strategy, prepare, x, y, convention)
     message = str(error.value)
     assert "cannot tell how this custom loop's loss is scaled" in message
     assert named in message and 'loss="global"' in message and 'loss="mean"' in message
+    # Refused as the step is traced: no update ran, the weights are the initial ones.
+    model, optimizer, initial = prepared[0]
+    assert int(optimizer.iterations.numpy()) == 0
+    assert initial and relative_difference(model.get_weights(), initial) == 0.0
 
 
 @pytest.mark.parametrize(
