@@ -47,13 +47,18 @@ def test_two_fits_tracing_at_once_in_two_threads_give_the_sequential_weights() -
         except BaseException as error:  # reported by the main thread
             errors.append(error)
 
+    # Daemon threads: a fit that never returns fails this test instead of keeping the pytest
+    # process from exiting.
     threads = [
-        threading.Thread(target=run, args=pair) for pair in zip(concurrent, datasets, strict=True)
+        threading.Thread(target=run, args=pair, daemon=True)
+        for pair in zip(concurrent, datasets, strict=True)
     ]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(120)
+    stuck = [t.name for t in threads if t.is_alive()]
+    assert not stuck, f"fits still running after 120 s: {stuck}"
     assert not errors, errors
     for ours, reference in zip(concurrent, sequential, strict=True):
         assert int(ours.optimizer.iterations.numpy()) == 12
