@@ -99,12 +99,10 @@ def run(args: argparse.Namespace) -> int:
     from tfscale.profiling.script import (
         ONE_REPLICA_ENV,
         TRACES_ENV,
-        crash_retries,
         crashed,
+        retried_while_crashing,
         script_report,
-        trace_crash_note,
     )
-    from tfscale.profiling.timeline import traced
     from tfscale.script_runner import check_script, run_in_child
 
     first, stop = trace_window(args.trace_steps)
@@ -152,23 +150,17 @@ def run(args: argparse.Namespace) -> int:
     notes: list[str] = []
 
     def measure(scratch: str, name: str, env: dict[str, str]) -> tuple[dict[str, Any], int]:
-        data, status = attempt(scratch, name, env, (first, stop))
-        crashes: list[int | None] = []
-        for window in crash_retries((first, stop)):
-            if data is not None or not crashed(status):
-                break
-            # The profiler's known crash (trace_crash_note): traced once more, then untraced.
-            crashes.append(status)
-            console.print(
-                f"The script crashed (exit status {status}) while traced: running it again"
-                + ("" if traced(window) else " without a trace")
-                + ".",
-                markup=False,
-                soft_wrap=True,
-            )
-            data, status = attempt(scratch, name, env, window)
-        if crashes:
-            notes.append(trace_crash_note("The script", crashes, (first, stop)))
+        # The profiler's known crash (trace_crash_note): traced once more, then untraced.
+        (data, status), note = retried_while_crashing(
+            (first, stop),
+            lambda window: attempt(scratch, name, env, window),
+            lambda outcome: (outcome[0] is None and crashed(outcome[1]), outcome[1]),
+            "The script",
+            "it",
+            lambda line: console.print(line, markup=False, soft_wrap=True),
+        )
+        if note:
+            notes.append(note)
         if data is None:
             raise ProfileError(
                 explain(
@@ -204,6 +196,7 @@ def _profile_workers(
     """``-n N``: the script as a local N-worker job of the launcher, each worker timed and
     writing its part; one report with a row per worker and the straggler."""
     import dataclasses
+    import itertools
     import os
     import tempfile
 
@@ -214,14 +207,12 @@ def _profile_workers(
     from tfscale.profiling.report import print_summary, write_report
     from tfscale.profiling.script import (
         TRACES_ENV,
-        crash_retries,
         crashed,
         merge_workers,
         profiled_command,
         read_workers,
-        trace_crash_note,
+        retried_while_crashing,
     )
-    from tfscale.profiling.timeline import traced
     from tfscale.script_runner import child_environment
     from tfscale.virtual_devices import ENV_VAR
 
@@ -267,26 +258,25 @@ def _profile_workers(
             return 0
         return sum(n.startswith("worker-") and n.endswith(".json") for n in os.listdir(parts))
 
-    notes: list[str] = []
     with tempfile.TemporaryDirectory(prefix="tfscale-profile-") as scratch:
-        parts = os.path.join(scratch, "parts")
-        done, tail = run(scratch, parts, window)
-        crashes: list[int | None] = []
-        for again in crash_retries(window):
-            if written(parts) == args.workers or not crashed(done.exit_code, tail):
-                break
-            # The profiler's known crash (trace_crash_note): traced once more, then untraced.
-            crashes.append(done.exit_code)
-            console.print(
-                f"A worker crashed (exit status {done.exit_code}) while traced: running the "
-                "job again" + ("" if traced(again) else " without a trace") + ".",
-                markup=False,
-                soft_wrap=True,
-            )
-            parts = os.path.join(scratch, f"parts-{len(crashes)}")
-            done, tail = run(scratch, parts, again)
-        if crashes:
-            notes.append(trace_crash_note("A worker", crashes, window))
+        tries = itertools.count()  # each run writes its parts into a folder of its own
+
+        def attempt(again: tuple[int, int]) -> tuple[Any, str, str]:
+            parts = os.path.join(scratch, f"parts-{next(tries)}")
+            return (*run(scratch, parts, again), parts)
+
+        # The profiler's known crash (trace_crash_note): traced once more, then untraced.
+        (done, tail, parts), note = retried_while_crashing(
+            window,
+            attempt,
+            lambda outcome: (
+                written(outcome[2]) < args.workers and crashed(outcome[0].exit_code, outcome[1]),
+                outcome[0].exit_code,
+            ),
+            "A worker",
+            "the job",
+            lambda line: console.print(line, markup=False, soft_wrap=True),
+        )
         if done.exit_code != 0 and not written(parts):
             raise ProfileError(
                 explain(
@@ -297,8 +287,8 @@ def _profile_workers(
                 )
             )
         report = merge_workers(read_workers(parts), script)
-    if notes:
-        report = dataclasses.replace(report, notes=[*notes, *report.notes])
+    if note:
+        report = dataclasses.replace(report, notes=[note, *report.notes])
     write_report(report, args.out)
     print_summary(report, args.out)
     _trace_line(args.out, console)

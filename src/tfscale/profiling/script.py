@@ -14,7 +14,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from tfscale.internals import dataset_batch_size
 from tfscale.profiling.timeline import traced
@@ -31,11 +31,11 @@ __all__ = [
     "merge_workers",
     "profiled_command",
     "read_workers",
+    "retried_while_crashing",
     "run_script",
     "script_report",
     "trace_crash_note",
     "trace_logdir",
-    "traced",
     "worker_output",
 ]
 
@@ -49,6 +49,8 @@ ONE_REPLICA_ENV = "TFSCALE_PROFILE_ONE_REPLICA"
 #: ``one-replica``, ``worker-<index>``); unset: a worker's part folder's ``trace/``, else none.
 TRACES_ENV = "TFSCALE_PROFILE_TRACES"
 
+
+R = TypeVar("R")
 
 #: Signals a crash in native code ends a process with (Popen: -N; the launcher, as a shell: 128+N).
 _CRASH_SIGNALS = ("SIGSEGV", "SIGABRT", "SIGBUS")
@@ -70,6 +72,41 @@ def crash_retries(window: tuple[int, int]) -> list[tuple[int, int]]:
     """The trace windows to run again with, in turn, while a traced run crashes: the same
     window once more (the crash is a race, most second runs pass), then no trace."""
     return [window, (0, 0)] if traced(window) else []
+
+
+def retried_while_crashing(
+    window: tuple[int, int],
+    attempt: Callable[[tuple[int, int]], R],
+    crash_of: Callable[[R], tuple[bool, int | None]],
+    who: str,
+    what: str,
+    say: Callable[[str], None],
+) -> tuple[R, str | None]:
+    """``attempt(window)``, run again with each window of :func:`crash_retries` while
+    ``crash_of`` says the last one crashed (and with which exit status), saying so as it goes.
+
+    Args:
+        window: The trace window asked for.
+        attempt: One run with a trace window; returns its outcome.
+        crash_of: Whether an outcome is a crash, and its exit status.
+        who: Who crashed, for the line and the note ("The script", "A worker").
+        what: What runs again ("it", "the job").
+        say: Prints a line.
+
+    Returns:
+        The last outcome, and the report's note (:func:`trace_crash_note`) if any run crashed.
+    """
+    outcome = attempt(window)
+    crashes: list[int | None] = []
+    for again in crash_retries(window):
+        failed, status = crash_of(outcome)
+        if not failed:
+            break
+        crashes.append(status)
+        untraced = "" if traced(again) else " without a trace"
+        say(f"{who} crashed (exit status {status}) while traced: running {what} again{untraced}.")
+        outcome = attempt(again)
+    return outcome, trace_crash_note(who, crashes, window) if crashes else None
 
 
 def trace_crash_note(who: str, statuses: list[int | None], window: tuple[int, int]) -> str:
