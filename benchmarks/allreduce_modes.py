@@ -99,6 +99,8 @@ def worker(settings: dict[str, Any]) -> None:
     runs = [(s.with_reduce, s.examples_per_step) for s in steps.values()]
     runs.append((packed.without_reduce, packed.examples_per_step))
     times = time_interleaved(runs, steps=int(settings["steps"]), warmup=3)
+    for step in steps.values():
+        step.close()  # their input iterators prefetch until destroyed
     means = [sum(robust_means(t)) for t in times]
     local = means[-1]
     gradient_bytes = sum(packed.gradient_sizes)

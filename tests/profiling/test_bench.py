@@ -37,9 +37,12 @@ def test_injected_input_delay_is_reported_as_input_share() -> None:
     baseline = profile(_small_model, **settings).points[0].breakdown
     delay = max(0.25, 40 * baseline.step_s)
 
+    calls = [0]
+
     def sleepy(dataset: Any) -> Any:
         def sleep(x: Any, y: Any) -> Any:
             def wait(value: Any) -> Any:
+                calls[0] += 1
                 time.sleep(delay)
                 return value
 
@@ -51,6 +54,12 @@ def test_injected_input_delay_is_reported_as_input_share() -> None:
         return dataset.map(sleep).with_options(options)
 
     report = profile(_small_model, dataset_fn=sleepy, **settings)
+    # The measured steps' input iterators were destroyed when the measurement ended: the
+    # input function no longer runs (left to the garbage collector, they kept prefetching and
+    # their destruction later stalled the process for seconds to minutes).
+    after = calls[0]
+    time.sleep(3 * delay)
+    assert calls[0] == after
     delayed = report.points[0].breakdown
     # Independent of how tfscale splits the step: the share of each step the delay added.
     injected = (delayed.step_s - baseline.step_s) / delayed.step_s
@@ -165,10 +174,12 @@ def test_a_measured_step_all_reduces_in_the_compression_it_is_given() -> None:
     workload = resolve_workload(_seeded_model, None)
     weights = []
     for compression in (None, None, "bf16"):
-        step = MeasuredStep(workload, devices_for(kind)[:2], 16, gradient_compression=compression)
-        for _ in range(3):
-            step.with_reduce()
-        weights.append(step.model.get_weights())
+        with MeasuredStep(
+            workload, devices_for(kind)[:2], 16, gradient_compression=compression
+        ) as step:
+            for _ in range(3):
+                step.with_reduce()
+            weights.append(step.model.get_weights())
     assert relative_difference(weights[1], weights[0]) == 0.0  # deterministic
     assert 0.0 < relative_difference(weights[2], weights[0]) <= 2e-2
 

@@ -503,22 +503,25 @@ def verify_advice(
         "gradient_compression": facts.gradient_compression,
     }
     changed = {**base, **chosen.change}
-    steps_ = [
-        MeasuredStep(
-            workload,
-            devices[: config["replicas"]],
-            config["batch_per_replica"],
-            accumulation=config["accumulation"],
-            jit_compile=bool(config["jit_compile"]),
-            gradient_compression=config["gradient_compression"],
+    with contextlib.ExitStack() as opened:
+        steps_ = [
+            opened.enter_context(
+                MeasuredStep(
+                    workload,
+                    devices[: config["replicas"]],
+                    config["batch_per_replica"],
+                    accumulation=config["accumulation"],
+                    jit_compile=bool(config["jit_compile"]),
+                    gradient_compression=config["gradient_compression"],
+                )
+            )
+            for config in (base, changed)
+        ]
+        before, after = time_interleaved(
+            [(s.with_reduce, s.examples_per_step) for s in steps_],
+            steps=max(steps, 10),
+            warmup=warmup,
         )
-        for config in (base, changed)
-    ]
-    before, after = time_interleaved(
-        [(s.with_reduce, s.examples_per_step) for s in steps_],
-        steps=max(steps, 10),
-        warmup=warmup,
-    )
     rates = [metrics.throughput(t.examples_per_step, sum(robust_means(t))) for t in (before, after)]
     measured = metrics.speedup(rates[1], rates[0])
     return {

@@ -12,6 +12,7 @@ TensorFlow starts once instead of once per replica count.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from collections.abc import Callable, Sequence
@@ -186,39 +187,51 @@ def measure_point(
     Returns:
         The wall-clock breakdown, and the trace shares (empty unless ``trace_steps``).
     """
-    step = MeasuredStep(
-        workload, devices, batch_per_replica, accumulation=accumulation, jit_compile=jit_compile
-    )
-    runs = [(step.with_reduce, step.examples_per_step)]
-    if step.without_reduce is not None:
-        runs.append((step.without_reduce, step.examples_per_step))
-    probes = {
-        "local_s_at_2x_batch": (2 * batch_per_replica, accumulation),
-        "local_s_at_2x_accumulation": (batch_per_replica, 2 * accumulation),
-    }
-    for batch, k in probes.values() if probe else ():
-        other = MeasuredStep(workload, devices, batch, accumulation=k, jit_compile=jit_compile)
-        runs.append((other.without_reduce or other.with_reduce, other.examples_per_step))
-    times = time_interleaved(runs, steps=steps, warmup=warmup, on_step=on_step)
-    # Input wait from an uninterrupted run; its first steps drain what the pipeline
-    # buffered while the other runs had their turns.
-    drain = max(3, steps // 3)
-    (contiguous,) = time_interleaved(
-        [(step.with_reduce, step.examples_per_step)], steps=steps, warmup=drain, on_step=on_step
-    )
-    result = breakdown(
-        times[0],
-        times[1] if step.without_reduce is not None else None,
-        step.fetch_floor(),
-        contiguous,
-    )
-    if probe:
-        for name, probe_times in zip(probes, times[-len(probes) :], strict=True):
-            result.extra[name] = sum(robust_means(probe_times))
-    trace: dict[str, float] = {}
-    if trace_steps:
-        with tempfile.TemporaryDirectory(prefix="tfscale-trace-") as logdir:
-            trace = capture_steps(step.with_reduce, trace_steps, logdir)
+    with contextlib.ExitStack() as opened:
+        step = opened.enter_context(
+            MeasuredStep(
+                workload,
+                devices,
+                batch_per_replica,
+                accumulation=accumulation,
+                jit_compile=jit_compile,
+            )
+        )
+        runs = [(step.with_reduce, step.examples_per_step)]
+        if step.without_reduce is not None:
+            runs.append((step.without_reduce, step.examples_per_step))
+        probes = {
+            "local_s_at_2x_batch": (2 * batch_per_replica, accumulation),
+            "local_s_at_2x_accumulation": (batch_per_replica, 2 * accumulation),
+        }
+        for batch, k in probes.values() if probe else ():
+            other = opened.enter_context(
+                MeasuredStep(workload, devices, batch, accumulation=k, jit_compile=jit_compile)
+            )
+            runs.append((other.without_reduce or other.with_reduce, other.examples_per_step))
+        times = time_interleaved(runs, steps=steps, warmup=warmup, on_step=on_step)
+        # Input wait from an uninterrupted run; its first steps drain what the pipeline
+        # buffered while the other runs had their turns.
+        drain = max(3, steps // 3)
+        (contiguous,) = time_interleaved(
+            [(step.with_reduce, step.examples_per_step)],
+            steps=steps,
+            warmup=drain,
+            on_step=on_step,
+        )
+        result = breakdown(
+            times[0],
+            times[1] if step.without_reduce is not None else None,
+            step.fetch_floor(),
+            contiguous,
+        )
+        if probe:
+            for name, probe_times in zip(probes, times[-len(probes) :], strict=True):
+                result.extra[name] = sum(robust_means(probe_times))
+        trace: dict[str, float] = {}
+        if trace_steps:
+            with tempfile.TemporaryDirectory(prefix="tfscale-trace-") as logdir:
+                trace = capture_steps(step.with_reduce, trace_steps, logdir)
     return result, trace
 
 
