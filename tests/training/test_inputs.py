@@ -3,6 +3,8 @@ and the profiling hooks work; models built outside the scope train in place."""
 
 from __future__ import annotations
 
+import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -366,6 +368,10 @@ def test_unknown_length_data_ends_each_epoch_with_one_or_several_steps_per_call(
     assert results == [(1, False)] * 8 + [(0, True)]
 
 
+def _record_thread(names: dict[int, str], key: int) -> None:
+    names[key] = threading.current_thread().name
+
+
 def test_one_distributed_iterator_serves_every_epoch_of_a_fit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -374,9 +380,12 @@ def test_one_distributed_iterator_serves_every_epoch_of_a_fit(
     from keras.src.backend.tensorflow.trainer import TFEpochIterator
 
     made: list[int] = []  # the epoch iterator object each new iterator was made for
+    released_by: dict[int, str] = {}  # the thread that dropped each epoch iterator
     original = TFEpochIterator._get_iterator
 
     def counting(self: Any) -> Any:
+        if id(self) not in made:
+            weakref.finalize(self, _record_thread, released_by, id(self))
         made.append(id(self))
         return original(self)
 
@@ -386,6 +395,7 @@ def test_one_distributed_iterator_serves_every_epoch_of_a_fit(
     dataset = batches(x, y, 32)
     for data in ({"x": x, "y": y, "batch_size": 32, "shuffle": False}, {"x": dataset}):
         made.clear()
+        released_by.clear()
         model = tiny_model(strategy, "adam", lr=0.01)
         history = tfscale.fit(
             model, epochs=4, validation_data=(x[:64], y[:64]), strategy=strategy, verbose=0,
@@ -395,6 +405,12 @@ def test_one_distributed_iterator_serves_every_epoch_of_a_fit(
         # evaluate resets its own every time: validation makes one per epoch.)
         assert made.count(made[0]) == 1, made
         assert history.epoch == [0, 1, 2, 3] and int(model.optimizer.iterations.numpy()) == 32
+        # It is destroyed (its prefetch threads joined) off the caller's thread, which does
+        # not wait for it: the call returned as training ended (#26).
+        for thread in threading.enumerate():
+            if thread.name == "tfscale-input-release":
+                thread.join(timeout=30)
+        assert released_by.get(made[0]) == "tfscale-input-release", released_by
         expected = reference_weights(x, y, batch=32, steps=8, optimizer="adam", lr=0.01, epochs=4)
         assert relative_difference(model.get_weights(), expected) <= 1e-5
     made.clear()

@@ -11,10 +11,13 @@
   sees them when there are several replicas (:func:`copied_batches`, applied by a prepared
   model's ``fit``, so ``tfscale.fit`` and ``prepare`` + ``model.fit`` both get it):
   TensorFlow otherwise writes into the user's arrays.
+- The fit's distributed iterator is destroyed off the caller's thread
+  (:func:`released_in_background`): its destruction waits for its prefetch threads.
 """
 
 from __future__ import annotations
 
+import threading
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +41,7 @@ __all__ = [
     "is_dataset_fn",
     "num_workers",
     "plan_inputs",
+    "released_in_background",
 ]
 
 
@@ -80,6 +84,20 @@ def distributed_input(data: Any, strategy: tf.distribute.Strategy) -> Any:
         return data(context).filter(lambda *_: True)
 
     return strategy.distribute_datasets_from_function(unknown_length)
+
+
+def released_in_background(held: list[Any]) -> None:
+    """Drops the references in ``held`` (the last ones: the caller keeps no other) in a
+    short-lived thread, so that destroying them does not hold up the caller.
+
+    Destroying a distributed iterator joins its prefetch threads (MultiDeviceIterator's
+    buffer and each device's prefetch): almost no CPU, but a wait for those threads to be
+    scheduled, from a few ms to seconds on a busy machine. Keras's ``fit`` destroys its
+    epoch iterator as it returns, after the callbacks' ``on_train_end``, so every call ended
+    that much late (#26). The thread is not a daemon: the interpreter waits for it at exit.
+    """
+    if held:
+        threading.Thread(target=held.clear, name="tfscale-input-release").start()
 
 
 # The arguments of Model.fit whose generators and PyDatasets :func:`copied_batches` copies

@@ -38,7 +38,7 @@ from tfscale.training.adopt import adopt, model_optimizers
 from tfscale.training.allreduce import check_compression
 from tfscale.training.callbacks import guarded, halt_released
 from tfscale.training.checks import check_global_clipnorm, python_int
-from tfscale.training.data import COPIED_FIT_ARGUMENTS, copied_batches
+from tfscale.training.data import COPIED_FIT_ARGUMENTS, copied_batches, released_in_background
 from tfscale.training.function import StepFunction, example_count
 from tfscale.training.loop import register_loop
 from tfscale.training.optimizer import DistributedUpdate, distributed_update
@@ -117,6 +117,9 @@ class Prepared:
         self.options = options
         self.record_timings = False
         self.epoch_iterator: weakref.ref[Any] | None = None
+        # The running fit's epoch iterator, held so that it is destroyed off the caller's
+        # thread when the fit returns (data.released_in_background); None outside fit.
+        self._fit_input: list[Any] | None = None
         internals.override(model, "make_train_function", self.make_train_function)
         internals.override(model, "make_test_function", self.make_test_function)
         internals.override(model, "_maybe_symbolic_build", self.symbolic_build)
@@ -175,8 +178,13 @@ class Prepared:
 
         update = self.update
         self.epoch_iterator = None  # the first symbolic build of this fit sets it
-        with halt_released(update):
-            return call_by_name(type(self.model).fit, self.model, args, kwargs, copy)
+        outer, self._fit_input = self._fit_input, []
+        try:
+            with halt_released(update):
+                return call_by_name(type(self.model).fit, self.model, args, kwargs, copy)
+        finally:
+            held, self._fit_input = self._fit_input, outer
+            released_in_background(held)
 
     def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
         """Keras's ``compute_loss`` of the model (its class's), 0 on a replica with no examples.
@@ -234,6 +242,8 @@ class Prepared:
             # The fit's training epoch iterator (built before any evaluate's), for the
             # checkpoint's resumed epoch (checkpoint.py).
             self.epoch_iterator = weakref.ref(iterator)
+            if self._fit_input is not None:
+                self._fit_input.append(iterator)
         unbuilt = (
             not all(layer.built for layer in internals.flatten_layers(model))
             or (model.optimizer is not None and not model.optimizer.built)
