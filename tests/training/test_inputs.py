@@ -16,6 +16,7 @@ import tensorflow as tf
 import tfscale
 from tfscale.testing import relative_difference
 from tfscale.training import Trainer
+from tfscale.training.data import EpochOrder
 from tfscale.training.prepare import prepared
 
 from .helpers import CLASSES, DATA, FEATURES, batches, reference_weights, strategy_for, tiny_model
@@ -417,6 +418,41 @@ def test_one_distributed_iterator_serves_every_epoch_of_a_fit(
     keras_model = tiny_model(strategy, "adam", lr=0.01)
     keras_model.fit(dataset, epochs=4, validation_data=(x[:64], y[:64]), verbose=0)
     assert made.count(made[0]) >= 8  # Keras alone: 2 per epoch for training (+1 to build)
+
+
+def test_arrays_are_cut_per_replica_by_graph_ops_alone_as_tf_distribute_splits_them() -> None:
+    """An array fit's input has no Python in it (no ``from_generator`` / ``py_function``:
+    nothing waits on Python per batch), and on one worker it yields each replica's share of
+    each global batch, exactly what ``experimental_distribute_dataset`` makes of the global
+    batches (short last batches and replicas left empty included)."""
+    for replicas in (2, 4):
+        strategy = strategy_for(replicas)
+        for count, batch in ((13, 8), (9, 4), (5, 8)):
+            x = np.arange(count * 2, dtype=np.float32).reshape(count, 2)
+            y = np.arange(count)
+            kw: dict[str, Any] = {"epochs": range(1, 3), "shuffle": True, "seed": 5}
+            whole = EpochOrder((x, y, None), batch, **kw).dataset
+            shares = EpochOrder((x, y, None), batch, replicas=replicas, **kw).dataset
+
+            def seen(distributed: Any, local: Any = strategy.experimental_local_results) -> Any:
+                return [[t.numpy().tolist() for t in local(y)] for _, y in distributed]
+
+            expected = seen(strategy.experimental_distribute_dataset(whole))
+            got = seen(strategy.distribute_datasets_from_function(lambda _, d=shares: d))
+            assert got == expected, (replicas, count, batch)
+    assert len(expected) == 2 and [] in expected[0], expected  # 5 examples: replicas left empty
+
+    def ops(dataset: tf.data.Dataset) -> set[str]:
+        graph = tf.compat.v1.GraphDef.FromString(dataset._as_serialized_graph().numpy())
+        functions = [node.op for f in graph.library.function for node in f.node_def]
+        return {node.op for node in graph.node} | set(functions)
+
+    python = {"PyFunc", "PyFuncStateless", "EagerPyFunc", "GeneratorDataset"}
+    assert not ops(shares) & python, ops(shares)
+    made_in_python = tf.data.Dataset.from_generator(
+        lambda: iter([1]), output_signature=tf.TensorSpec((), tf.int32)
+    )
+    assert ops(made_in_python) & python  # what the check finds when Python is there
 
 
 # -- generator-backed inputs: TensorFlow writes into the user's arrays --------------------------

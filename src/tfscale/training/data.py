@@ -42,6 +42,7 @@ __all__ = [
     "num_workers",
     "plan_inputs",
     "released_in_background",
+    "replica_lengths",
 ]
 
 
@@ -208,6 +209,19 @@ def agreed_seed(seed: int, strategy: tf.distribute.Strategy) -> int:
     return int(strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None))
 
 
+def replica_lengths(count: int, batch: int, replicas: int) -> np.ndarray:
+    """Examples of each replica's share of each batch of one epoch of ``count`` examples, in
+    order (batch 0's replicas, then batch 1's...): how tf.distribute splits a global batch
+    of ``n`` (``experimental_distribute_dataset``'s rebatch when the batch size is not
+    static): ``ceil(n / replicas)`` each, the last ones shorter or empty."""
+    sizes = [batch] * (count // batch) + ([count % batch] if count % batch else [])
+    lengths = []
+    for n in sizes:
+        share = -(-n // replicas)
+        lengths += [max(0, min(share, n - r * share)) for r in range(replicas)]
+    return np.asarray(lengths, dtype=np.int64)
+
+
 class EpochOrder:
     """Arrays as ONE dataset for every epoch of a fit, each epoch in its own fixed order.
 
@@ -219,12 +233,20 @@ class EpochOrder:
     with ``shuffle=False``), the same batches Keras's array adapter makes, last partial batch
     included, so a run resumed at epoch ``e`` sees what the run it continues would have.
 
+    No Python runs per batch: each epoch's permutation is a tensor made in the pipeline,
+    cut into batches (or, with ``replicas`` > 1, into each replica's share of each batch,
+    as tf.distribute would split it: :func:`replica_lengths`) and gathered from the arrays.
+    Building it traces two small functions, with no AutoGraph: a fit's set-up time (#26).
+
     Args:
         arrays: ``(x, y, sample_weight)``, any of them nested structures of arrays.
         batch_size: Global batch size (None: Keras's default, 32).
         epochs: The epochs this fit runs (``range(initial_epoch, epochs)``).
         shuffle: Permute each epoch.
         seed: Seed of the permutations (kept in checkpoints: ``training/checkpoint.py``).
+        replicas: 1: the dataset yields global batches (for tf.distribute to split); N: it
+            yields the N replicas' shares of each global batch in turn, as
+            ``distribute_datasets_from_function`` on one worker hands them out.
 
     Attributes:
         dataset: The dataset to give Keras (with ``steps_per_epoch``).
@@ -239,6 +261,7 @@ class EpochOrder:
         epochs: range,
         shuffle: bool,
         seed: int,
+        replicas: int = 1,
     ) -> None:
         x, y, sample_weight = arrays
         # Lists become tuples, as Keras's array adapter makes them: tf.data would stack a
@@ -252,21 +275,24 @@ class EpochOrder:
         batch = 32 if batch_size is None else int(batch_size)
         self.seed = int(seed)
         self.steps_per_epoch = -(-count // batch)
+        lengths = tf.constant(replica_lengths(count, batch, replicas))
+        seed_tensor = tf.constant(self.seed, tf.int64)
 
-        def permutation(epoch: tf.Tensor) -> tf.Tensor:
+        @tf.autograph.experimental.do_not_convert
+        def epoch_batches(epoch: tf.Tensor) -> tf.data.Dataset:
             indices = tf.range(count, dtype=tf.int64)
-            if not shuffle:
-                return indices
-            seeds = tf.stack([tf.constant(self.seed, tf.int64), epoch])
-            return tf.random.experimental.stateless_shuffle(indices, seeds)
+            if shuffle:
+                seeds = tf.stack([seed_tensor, epoch])
+                indices = tf.random.experimental.stateless_shuffle(indices, seeds)
+            pieces = tf.RaggedTensor.from_row_lengths(indices, lengths, validate=False)
+            return tf.data.Dataset.from_tensor_slices(pieces)
 
+        @tf.autograph.experimental.do_not_convert
         def gather(indices: tf.Tensor, data: Any) -> Any:
             return tf.nest.map_structure(lambda t: tf.gather(t, indices), data)
 
         order = tf.data.Dataset.from_tensor_slices(tf.constant(list(epochs), tf.int64))
-        order = order.map(permutation).flat_map(
-            lambda idx: tf.data.Dataset.from_tensor_slices(idx).batch(batch)
-        )
+        order = order.flat_map(epoch_batches)
         dataset = tf.data.Dataset.zip((order, tf.data.Dataset.from_tensors(tensors).repeat()))
         dataset = dataset.map(gather, num_parallel_calls=tf.data.AUTOTUNE)
         options = tf.data.Options()
@@ -332,12 +358,14 @@ def plan_inputs(
     seed: int,
     strategy: tf.distribute.Strategy,
     resumable: bool = False,
+    class_weight: Any = None,
 ) -> KerasInputs:
     """Turns ``fit``'s data arguments into ``model.fit``'s, with one iterator per fit where
     the data allows it (see :class:`EpochOrder`).
 
     - Numeric arrays with ``shuffle`` True or False: :class:`EpochOrder` (after Keras's own
-      ``validation_split``) over several epochs, and over one when the fit is ``resumable``
+      ``validation_split``; on one worker already split per replica and distributed, unless
+      ``class_weight`` is given) over several epochs, and over one when the fit is ``resumable``
       (it checkpoints): a run resumed in its last epoch must batch that epoch as the run it
       continues did, not in Keras's own shuffle. Other arrays (DataFrames, sparse, text) go
       to Keras's adapter.
@@ -369,11 +397,21 @@ def plan_inputs(
             (x, y, sample_weight), fit["validation_data"] = internals.train_validation_split(
                 (x, y, sample_weight), validation_split
             )
+        # One worker: the dataset yields each replica's share, so tf.distribute has nothing
+        # to split (its rebatch costs a traced function per fit); several: global batches,
+        # of which each worker keeps its DATA share. Keras maps class weights over a
+        # dataset, which a distributed one cannot.
+        one_worker = num_workers(strategy) == 1 and class_weight is None
+        replicas = strategy.num_replicas_in_sync if one_worker else 1
         order = EpochOrder(
-            (x, y, sample_weight), batch_size, epochs=epochs, shuffle=bool(shuffle), seed=seed
-        )
+            (x, y, sample_weight), batch_size, epochs=epochs, shuffle=bool(shuffle), seed=seed,
+            replicas=replicas,
+        )  # fmt: skip
+        dataset = order.dataset
+        if one_worker:
+            dataset = strategy.distribute_datasets_from_function(lambda _: order.dataset)
         fit.update(
-            x=order.dataset, y=None, sample_weight=None, batch_size=None, shuffle=False,
+            x=dataset, y=None, sample_weight=None, batch_size=None, shuffle=False,
             steps_per_epoch=order.steps_per_epoch, validation_split=0.0,
             # Keras batches validation arrays with batch_size when this is None.
             validation_batch_size=validation_batch_size or batch_size,

@@ -339,6 +339,7 @@ def fit(
         seed=seed,
         strategy=strategy,
         resumable=config is not None,
+        class_weight=class_weight,
     )
     callback_list = list(callbacks or [])
     state = prepared(model)
