@@ -143,11 +143,19 @@ sys.exit(main(["profile", "-n", "2", "--trace-steps", "3,9", "--timeout", "240",
     assert "A worker crashed (exit status 134) while traced: running the job again." in done.stderr
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert [w["worker"] for w in report["workers"]] == [0, 1]
+    note = report["notes"][0]
+    if "without a trace" in note:
+        # The upstream crash, a race, struck the second, traced run as well:
+        # the numbers come from a third run, untraced, which says so; across workers such a run
+        # cannot tell input from waiting for the other worker (docs/profiling.md).
+        assert "exit status 134, " in note and "run 3" in note, note
+        return
+    assert report["straggler"] is not None, (report["notes"], done.stderr[-3000:])
     assert report["straggler"]["worker"] == 1
     assert report["straggler"]["cause"] == "input-bound"
     assert report["advice"][0]["key"] == "straggler"
     assert "Straggler: worker 1, input-bound" in done.stdout
-    assert "exit status 134" in report["notes"][0] and "from a second run" in report["notes"][0]
+    assert "exit status 134" in note and "from a second run" in note, note
     # The trace windows of the second run stay, one TensorBoard run per worker.
     for worker in ("worker-0", "worker-1"):
         assert list((tmp_path / "out" / "trace" / worker).glob("plugins/profile/*/*.xplane.pb"))
