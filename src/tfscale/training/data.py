@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import types
 from collections.abc import Iterator
@@ -88,7 +87,7 @@ def distributed_input(data: Any, strategy: tf.distribute.Strategy) -> Any:
     return strategy.distribute_datasets_from_function(unknown_length)
 
 
-def released_in_background(held: list[Any], lock: Any = None) -> None:
+def released_in_background(held: list[Any]) -> None:
     """Drops the references in ``held`` (the last ones: the caller keeps no other) in a
     short-lived thread, so that destroying them does not hold up the caller.
 
@@ -97,15 +96,11 @@ def released_in_background(held: list[Any], lock: Any = None) -> None:
     scheduled, from a few ms to seconds on a busy machine. Keras's ``fit`` destroys its
     epoch iterator as it returns, after the callbacks' ``on_train_end``, so every call ended
     that much late (#26). The thread is not a daemon: the interpreter waits for it at exit.
-    With ``lock`` (a context manager), the references are dropped while holding it.
+    It does not hold the strategy's fit lock (``prepare.one_fit_at_a_time``): the next fit
+    would wait for it at its start instead.
     """
-
-    def release() -> None:
-        with lock if lock is not None else contextlib.nullcontext():
-            held.clear()
-
     if held:
-        threading.Thread(target=release, name="tfscale-input-release").start()
+        threading.Thread(target=held.clear, name="tfscale-input-release").start()
 
 
 # The arguments of Model.fit whose generators and PyDatasets :func:`copied_batches` copies

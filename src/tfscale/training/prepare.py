@@ -201,8 +201,7 @@ class Prepared:
                 arguments["callbacks"] = guarded(arguments.get("callbacks"), self.model, update)
 
         update = self.update
-        lock = one_fit_at_a_time(self.strategy)
-        with lock:
+        with one_fit_at_a_time(self.strategy):
             self.epoch_iterator = None  # the first symbolic build of this fit sets it
             outer, self._fit_input = self._fit_input, []
             try:
@@ -210,7 +209,7 @@ class Prepared:
                     return call_by_name(type(self.model).fit, self.model, args, kwargs, copy)
             finally:
                 held, self._fit_input = self._fit_input, outer
-                released_in_background(held, lock)  # not while another fit runs
+                released_in_background(held)
 
     def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
         """Keras's ``compute_loss`` of the model (its class's), 0 on a replica with no examples.
