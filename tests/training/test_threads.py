@@ -103,9 +103,9 @@ class _Events(keras.callbacks.Callback):  # type: ignore[misc]
 
 
 def test_two_fits_sharing_one_strategy_run_one_after_the_other() -> None:
-    """Two fits sharing a MirroredStrategy in two threads sometimes hung or trained on the
-    wrong batches (inside TensorFlow's runtime, see ``prepare._FIT_LOCKS``): they take
-    turns, and each gives the weights of the same fit alone."""
+    """Two fits sharing a MirroredStrategy in two threads sometimes hung or trained to other
+    weights (inside TensorFlow's runtime, see ``prepare._FIT_LOCKS``): they take turns, and
+    each gives the weights of the same fit alone."""
     shared = strategy_for(2)
     sequential = _sequential_weights([shared, shared])
     concurrent = [tiny_model(None, "sgd"), tiny_model(None, "adam", lr=0.01)]

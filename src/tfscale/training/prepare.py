@@ -104,7 +104,7 @@ def _positive_int(name: str, value: object) -> int:
 
 
 # One fit at a time per strategy object. Two fits sharing one MirroredStrategy in two
-# threads (a TaskPool's) sometimes hung or silently trained on the wrong batches: in 2 of
+# threads (a TaskPool's) sometimes hung or silently trained to other weights: in 2 of
 # 108 repeats after the in-process training suite, and once in a full `make test`, where
 # py-spy and gdb showed both train functions waiting in ProcessFunctionLibraryRuntime::RunSync
 # and the multi-device iterators' shard reads (MultiDeviceIteratorGetNextFromShard, fed by
