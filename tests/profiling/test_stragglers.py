@@ -84,6 +84,7 @@ _SLOW_INPUT_JOB = textwrap.dedent(
     """
     import json, os, sys, time
     import keras, numpy as np, tensorflow as tf
+    from tensorflow.python.data.experimental.ops import testing
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     SLEEP = 0.2 if index == 1 else 0.0  # worker 1's input pipeline: 0.2 s per batch
@@ -97,17 +98,18 @@ _SLOW_INPUT_JOB = textwrap.dedent(
         optimizer = keras.optimizers.SGD(0.01)
         optimizer.build(model.trainable_variables)
 
-    def slowly(x):
-        # The wait runs in the pipeline's own threads, not in Python: TensorFlow's profiler
-        # can crash when it stops a trace while another thread runs Python, as a
-        # from_generator input's does (tensorflow/tensorboard#3149; docs/profiling.md).
-        start = tf.timestamp()
-        spins = tf.while_loop(lambda i: tf.timestamp() - start < SLEEP, lambda i: i + 1, [0])
-        return x + 0.0 * tf.cast(spins, x.dtype)
-
     def dataset_fn(context):
         x = np.random.default_rng(index).standard_normal((12 * 16, 8)).astype("float32")
-        return tf.data.Dataset.from_tensor_slices(x).batch(16).map(slowly)
+        batches = tf.data.Dataset.from_tensor_slices(x).batch(16)
+        if SLEEP:
+            # A wait in the pipeline's own threads, not in Python: TensorFlow's profiler can
+            # crash when it stops a trace while another thread runs Python, as a
+            # from_generator input's does (tensorflow/tensorboard#3149; docs/profiling.md).
+            # tf.data's own sleep (its testing transformation) waits without using a core:
+            # the earlier busy-wait kept one core spinning, and on the 2 shared cores of
+            # make test it stretched worker 0's compute until no straggler stood out.
+            batches = batches.apply(testing.sleep(int(SLEEP * 1e6)))
+        return batches
 
     def replica_step(x):
         with tf.GradientTape() as tape:
