@@ -29,7 +29,7 @@ def _wait_for(predicate, timeout: float) -> bool:  # type: ignore[no-untyped-def
     return False
 
 
-def _launcher(args: list[str]) -> subprocess.Popen[str]:
+def _launcher(args: list[str], *, sigint_ignored: bool = False) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONPATH=str(_ROOT / "src"))
     env.pop("TF_CONFIG", None)
     return subprocess.Popen(
@@ -38,6 +38,10 @@ def _launcher(args: list[str]) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Started as a parent that ignores SIGINT would start it (inherited across exec).
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        if sigint_ignored
+        else None,
     )
 
 
@@ -61,9 +65,18 @@ def test_launcher_imports_no_tensorflow() -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_interrupt_stops_every_worker_and_their_children(tmp_path: Path, signum: int) -> None:
-    launcher = _launcher(["-n", "2", "--devices-per-worker", "3", _SLEEPER, str(tmp_path)])
+@pytest.mark.parametrize(
+    ("signum", "sigint_ignored"),
+    [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGINT, True)],
+    ids=["SIGINT", "SIGTERM", "SIGINT-inherited-ignored"],
+)
+def test_interrupt_stops_every_worker_and_their_children(
+    tmp_path: Path, signum: int, sigint_ignored: bool
+) -> None:
+    launcher = _launcher(
+        ["-n", "2", "--devices-per-worker", "3", _SLEEPER, str(tmp_path)],
+        sigint_ignored=sigint_ignored,
+    )
     try:
         assert _wait_for(lambda: len(list(tmp_path.glob("*.json"))) == 2, 60), "workers not up"
         records = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}

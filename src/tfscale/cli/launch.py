@@ -305,8 +305,8 @@ def _local(args: argparse.Namespace, script: tuple[str, ...]) -> int:
                 min_workers=args.min_workers,
             )
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            for signum, handler in (previous or {}).items():
+                signal.signal(signum, handler)
         verdicts = read_verdicts(reports)
         checkpoint = read_checkpoint_note(reports)
     resized = elastic_line(
@@ -355,15 +355,24 @@ def _merge_profile(directory: str, script: tuple[str, ...]) -> None:
 
 
 def _sigterm_as_interrupt() -> Any:
-    """Makes SIGTERM to the launcher (a scheduler stopping it) stop the workers like Ctrl-C."""
+    """Makes SIGTERM to the launcher (a scheduler stopping it) stop the workers like Ctrl-C,
+    and makes SIGINT do so even when the launcher was started with SIGINT ignored.
+
+    Python installs its KeyboardInterrupt handler only where SIGINT was not ignored at start,
+    and a parent's ignored SIGINT is inherited: in two full test runs a launcher started
+    from a pytest process in that state ran on for 60 s after SIGINT, while SIGTERM (which
+    had its own handler) stopped it. Returns the previous handlers, to restore.
+    """
 
     def handler(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
     try:
-        return signal.signal(signal.SIGTERM, handler)
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
     except ValueError:  # not the main thread: leave signals alone
         return None
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, set(previous))
+    return previous
 
 
 def _slurm(args: argparse.Namespace, script: tuple[str, ...]) -> int:
