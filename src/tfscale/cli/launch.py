@@ -290,7 +290,7 @@ def _local(args: argparse.Namespace, script: tuple[str, ...]) -> int:
         devices_per_worker=args.devices_per_worker,
         gpus_per_worker=args.gpus_per_worker,
     )
-    previous = _sigterm_as_interrupt()
+    previous = _signals_as_interrupt()
     with tempfile.TemporaryDirectory(prefix="tfscale-launch-") as reports:
         # Where workers that would train alone leave why (launch/together.py).
         env = dict(os.environ, **{REPORT_ENV: reports})
@@ -354,7 +354,7 @@ def _merge_profile(directory: str, script: tuple[str, ...]) -> None:
     )
 
 
-def _sigterm_as_interrupt() -> Any:
+def _signals_as_interrupt() -> Any:
     """Makes SIGTERM to the launcher (a scheduler stopping it) stop the workers like Ctrl-C,
     and makes SIGINT do so even when the launcher was started with SIGINT ignored.
 
