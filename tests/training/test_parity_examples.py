@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from .helpers import run_workers, strategy_for
@@ -40,39 +41,60 @@ MULTIWORKER_CASES = (
     "token_and_position_embedding_adamw",
 )
 
-# Each worker runs the registry's own runner: the one-device model.fit reference in its
-# process (no state of the parent's earlier cases), then tfscale.fit over the cluster from the
-# reference's initial weights, then the case's checks; it reports each case's outcome.
+# Worker 0 runs the registry's own runner: the one-device model.fit reference in its process
+# (no state of the parent's earlier cases), then tfscale.fit over the cluster from the
+# reference's initial weights, then the case's checks; it reports each case's outcome. Worker 1
+# trains the same tfscale.fit from the same initial weights (the reference model built, not
+# trained: a second reference would be a redundant training) and reports its weights, which
+# MultiWorkerMirrored keeps equal to worker 0's.
 _WORKER = """
 import json, sys
+import numpy as np
 sys.path.insert(0, sys.argv[2])
 import tensorflow as tf
 strategy = tf.distribute.MultiWorkerMirroredStrategy()
 from training.parity import CASES, SPARSE_CASES
-from training.parity.registry import run_case
+from training.parity.registry import run_case, run_tfscale, reference_initial_weights
 
 cases = {case.name: case for case in [*CASES, *SPARSE_CASES]}
-outcome = {}
+chief = strategy.cluster_resolver.task_id == 0
+outcome, weights = {}, {}
 for name in sys.argv[3].split(","):
+    if not chief:
+        got = run_tfscale(cases[name], strategy, reference_initial_weights(cases[name]))
+        outcome[name] = {"ok": True, "iterations": got.iterations}
+        weights.update({f"{name}/{i}": w for i, w in enumerate(got.model.get_weights())})
+        continue
     try:
         expected, got = run_case(cases[name], strategy)
         outcome[name] = {"ok": True, "iterations": got.iterations}
     except AssertionError as error:
         outcome[name] = {"ok": False, "why": str(error)}
+        got = None
+    if got is not None:
+        weights.update({f"{name}/{i}": w for i, w in enumerate(got.model.get_weights())})
 with open(sys.argv[1] + ".json", "w") as handle:
     json.dump(outcome, handle)
+np.savez(sys.argv[1] + ".npz", **weights)
 """
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_cases_across_two_worker_processes_match_one_device(tmp_path: Path) -> None:
-    """10 cases trained by 2 worker processes (MultiWorkerMirroredStrategy, one CPU each),
-    each checked against one-device model.fit with the case's own checks."""
+    """10 cases trained by 2 worker processes (MultiWorkerMirroredStrategy, one CPU each):
+    worker 0's checked against one-device model.fit with the case's own checks, worker 1's
+    weights equal to worker 0's."""
     run_workers(_WORKER, [str(tmp_path / "w"), str(TESTS), ",".join(MULTIWORKER_CASES)])
-    for index in range(2):
-        outcome = json.loads((tmp_path / f"w{index}.json").read_text())
-        assert sorted(outcome) == sorted(MULTIWORKER_CASES)
-        failed = {name: o["why"] for name, o in outcome.items() if not o["ok"]}
-        assert not failed, f"worker {index}: {failed}"
-        assert all(o["iterations"] > 0 for o in outcome.values())
+    chief = json.loads((tmp_path / "w0.json").read_text())
+    assert sorted(chief) == sorted(MULTIWORKER_CASES)
+    failed = {name: o["why"] for name, o in chief.items() if not o["ok"]}
+    assert not failed, f"worker 0: {failed}"
+    other = json.loads((tmp_path / "w1.json").read_text())
+    assert other == chief  # the same updates on both workers
+    assert all(o["iterations"] > 0 for o in chief.values())
+    with np.load(tmp_path / "w0.npz") as first, np.load(tmp_path / "w1.npz") as second:
+        assert sorted(first.files) == sorted(second.files)
+        assert {key.split("/")[0] for key in first.files} == set(MULTIWORKER_CASES)
+        for key in first.files:
+            np.testing.assert_array_equal(first[key], second[key], err_msg=key)

@@ -166,6 +166,12 @@ def run_reference(case: Case) -> Run:
     return Run(model, history, arguments, initial)
 
 
+def reference_initial_weights(case: Case) -> list[np.ndarray]:
+    """The initial weights :func:`run_reference` starts from: its model built, not trained."""
+    with tf.device("/device:CPU:0"):
+        return [w.copy() for w in (case.reference_build or case.build)().get_weights()]
+
+
 def run_tfscale(
     case: Case, strategy: tf.distribute.Strategy, initial: list[np.ndarray] | None
 ) -> Run:
