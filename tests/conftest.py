@@ -159,6 +159,12 @@ def _no_leftovers() -> Iterator[None]:
     threads_before = set(threading.enumerate())
     children_before = child_pids()
     yield
+    # A fit's input is released in a thread of its own (training/data.py RELEASE_THREAD,
+    # released_in_background), which waits for tf.data's threads to stop: seconds on a busy
+    # machine (20 s seen in make test). It must end, so it is waited for, longer.
+    for thread in threading.enumerate():
+        if thread not in threads_before and thread.name == "tfscale-input-release":
+            thread.join(60.0)
     deadline = time.monotonic() + 5.0
     while True:
         threads = [

@@ -87,6 +87,9 @@ def distributed_input(data: Any, strategy: tf.distribute.Strategy) -> Any:
     return strategy.distribute_datasets_from_function(unknown_length)
 
 
+RELEASE_THREAD = "tfscale-input-release"
+
+
 def released_in_background(held: list[Any]) -> None:
     """Drops the references in ``held`` (the last ones: the caller keeps no other) in a
     short-lived thread, so that destroying them does not hold up the caller.
@@ -100,7 +103,7 @@ def released_in_background(held: list[Any]) -> None:
     would wait for it at its start instead.
     """
     if held:
-        threading.Thread(target=held.clear, name="tfscale-input-release").start()
+        threading.Thread(target=held.clear, name=RELEASE_THREAD).start()
 
 
 # The arguments of Model.fit whose generators and PyDatasets :func:`copied_batches` copies
