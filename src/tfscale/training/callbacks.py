@@ -14,7 +14,14 @@ import tensorflow as tf
 
 from tfscale.errors import NonFiniteLossError, explain
 
-__all__ = ["ExactSteps", "NonFiniteGuard", "guarded", "halt_released", "is_chief"]
+__all__ = [
+    "ExactSteps",
+    "NonFiniteGuard",
+    "guarded",
+    "halt_released",
+    "is_chief",
+    "watches_batches",
+]
 
 
 def is_chief(strategy: tf.distribute.Strategy) -> bool:
@@ -166,3 +173,28 @@ class ExactSteps(keras.callbacks.Callback):  # type: ignore[misc]
         function.limit = (
             None if not steps else max(1, min(function.steps_per_execution, steps - batch))
         )
+
+
+# The hooks Keras calls once per train function call (steps_per_execution batches).
+_BATCH_HOOKS = (
+    "on_batch_begin",
+    "on_batch_end",
+    "on_train_batch_begin",
+    "on_train_batch_end",
+    "on_test_batch_begin",
+    "on_test_batch_end",
+)
+
+
+def watches_batches(callback: Any) -> bool:
+    """Whether ``callback`` sees how many steps run per call: it overrides one of
+    ``keras.callbacks.Callback``'s batch hooks (Keras calls them once per call of the train
+    function, with the call's last batch). tfscale's :class:`ExactSteps` and
+    :class:`NonFiniteGuard` work with any number of steps per call; a ``CallbackList`` is
+    taken as watching (its callbacks are not looked into)."""
+    if isinstance(callback, (ExactSteps, NonFiniteGuard)):
+        return False
+    if isinstance(callback, keras.callbacks.CallbackList):
+        return True
+    base = keras.callbacks.Callback
+    return any(getattr(type(callback), hook) is not getattr(base, hook) for hook in _BATCH_HOOKS)

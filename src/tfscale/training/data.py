@@ -36,6 +36,7 @@ __all__ = [
     "agreed_seed",
     "copied_batches",
     "distributed_input",
+    "finite_length",
     "generator_kind",
     "is_copied",
     "is_dataset_fn",
@@ -340,7 +341,8 @@ class KerasInputs:
     unknown_length: bool = False
 
 
-def _finite_length(dataset: Any) -> int | None:
+def finite_length(dataset: Any) -> int | None:
+    """Batches of a ``tf.data.Dataset`` of known, finite length; None otherwise."""
     if not isinstance(dataset, tf.data.Dataset):
         return None
     count = int(dataset.cardinality())
@@ -423,7 +425,7 @@ def plan_inputs(
         )  # fmt: skip
     elif isinstance(x, tf.data.Dataset):
         fit["shuffle"] = False  # Keras ignores it for datasets, and warns on every call
-        length = _finite_length(x)
+        length = finite_length(x)
         if several and length is not None:
             fit.update(x=_length_hidden(x.repeat(len(epochs))), steps_per_epoch=length)
         fit["x"] = _sharded(fit["x"], strategy)

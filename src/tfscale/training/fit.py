@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfscale.errors import TrainingError, explain
-from tfscale.training.callbacks import ExactSteps, is_chief
+from tfscale.training.callbacks import ExactSteps, is_chief, watches_batches
 from tfscale.training.checkpoint import (
     CheckpointCallback,
     CheckpointConfig,
@@ -43,10 +43,10 @@ from tfscale.training.coordinator import (
     is_parameter_server,
     refuse_unsupported,
 )
-from tfscale.training.data import agreed_seed, plan_inputs
+from tfscale.training.data import agreed_seed, finite_length, num_workers, plan_inputs
 from tfscale.training.prepare import check_model, prepare, prepared, resolve_strategy
 
-__all__ = ["fit"]
+__all__ = ["AUTO_STEPS_PER_EXECUTION", "auto_steps_per_execution", "fit"]
 
 
 @functools.cache
@@ -162,6 +162,51 @@ def _steps_per_execution(model: Any, value: int | None) -> Iterator[None]:
         model.steps_per_execution = saved
 
 
+# Steps per call of the train function when nothing watches batches (#26): a call costs
+# Keras's loop and its callbacks ~0.3 ms in Python, a third of a small model's step on a CPU.
+AUTO_STEPS_PER_EXECUTION = 16
+
+
+def auto_steps_per_execution(
+    model: Any,
+    strategy: tf.distribute.Strategy,
+    callbacks: Sequence[Any],
+    verbose: int | str,
+    fit_arguments: dict[str, Any],
+    checkpointing: bool,
+) -> int | None:
+    """Steps per train function call for a fit given no ``steps_per_execution``: None keeps
+    compile()'s; :data:`AUTO_STEPS_PER_EXECUTION` where running several steps per call
+    changes nothing but the time.
+
+    Keras calls the batch hooks of callbacks once per call, so several steps per call are
+    invisible exactly when: compile() left it at 1; no callback overrides a batch hook
+    (:func:`~tfscale.training.callbacks.watches_batches`); no progress bar is drawn per batch
+    (``verbose`` 0 or 2); no step checkpoint is due mid-call (no ``checkpoint_dir``); and
+    each epoch's length is known, so that its last call runs exactly the steps left
+    (``ExactSteps``): a dataset's own length, or ``steps_per_epoch`` over an input of
+    unknown length (tfscale's arrays, a generator, a repeated dataset). It stays at 1 with
+    validation (Keras's evaluation runs whole calls, so ``validation_steps`` would not be
+    exact), on several workers, and eagerly.
+    """
+    if int(model.steps_per_execution) != 1 or getattr(model, "run_eagerly", False):
+        return None
+    if checkpointing or num_workers(strategy) != 1 or verbose not in (0, 2):
+        return None
+    if fit_arguments.get("validation_data") is not None or fit_arguments.get("validation_split"):
+        return None
+    # An epoch's length: steps_per_epoch over an input of unknown length, or a dataset's own.
+    # Both known is refused: Keras counts whole calls against the dataset's length and would
+    # start each epoch on a new iterator instead of continuing (keras-io's "steps_per_epoch on
+    # a dataset", tests/training/parity).
+    given = fit_arguments.get("steps_per_epoch")
+    if bool(given) == (finite_length(fit_arguments.get("x")) is not None):
+        return None
+    if any(watches_batches(callback) for callback in callbacks):
+        return None
+    return AUTO_STEPS_PER_EXECUTION
+
+
 def fit(
     model: Any,
     x: Any = None,
@@ -229,7 +274,10 @@ def fit(
         strategy: The strategy; None takes the current scope's, the model's own, or
             ``tfscale.choose_strategy()``.
         accumulation_steps: Batches per optimizer update (see :func:`tfscale.prepare`).
-        steps_per_execution: Steps per compiled call for this fit; None keeps compile()'s.
+        steps_per_execution: Steps per compiled call for this fit; None keeps compile()'s,
+            or runs :data:`AUTO_STEPS_PER_EXECUTION` where that changes nothing but the
+            time (no callback watches batches, no validation: see
+            :func:`auto_steps_per_execution`); 1 runs one step per call.
         mixed_precision: None, ``"bf16"`` or ``"fp16"``.
         global_clipnorm: Clip the all-reduced gradient to this global norm (Keras's
             ``global_clipnorm``, applied after the all-reduce).
@@ -353,6 +401,10 @@ def fit(
         callback_list.insert(0, CheckpointCallback(config, strategy, data_seed=seed))
     if not is_chief(strategy):
         verbose = 0
+    if steps_per_execution is None:
+        steps_per_execution = auto_steps_per_execution(
+            model, strategy, callback_list, verbose, inputs.fit, config is not None
+        )
     with (
         _steps_per_execution(model, steps_per_execution),
         _expected_end_of_data(config, inputs.unknown_length),
