@@ -17,6 +17,10 @@ batch and update (Adam on the mean gradient over the global batch), from the sam
 - ``generator``: a Python generator of batches; ``tfscale.fit`` reads it as ``model.fit``
   does, the loop through ``from_generator``. Its ceiling is the generator itself.
 
+Both sides run as a user would write them: the loop one step per ``tf.function`` call (the
+tutorial's), ``tfscale.fit`` with ``verbose=0`` and no callback, where it runs several steps
+per call (``fit.auto_steps_per_execution``: nothing watches batches).
+
 A measurement is one whole call of ``--epochs`` epochs on a model already trained once (the
 functions are traced): ``tfscale.fit(...)`` against one loop call (its iterators included).
 Calls of the two sides alternate; the table shows each side's median seconds and the median
