@@ -57,9 +57,10 @@ test: venv
 
 # The lowest TensorFlow and Keras that pyproject.toml declares, in a second virtualenv: every
 # private name and per-instance override tfscale relies on (test_internals), the declared
-# bounds (test_versions), and a share of the equivalence, XLA and parity suites chosen for the
-# version-sensitive paths (metrics over replicas, the symbolic build, compute_loss, the
-# optimizer update, loss scaling, accumulation, XLA, recurrent and attention models). All of
+# bounds (test_versions), several steps per call (Keras's callback hooks and loop), and a
+# share of the equivalence, XLA and parity suites chosen for the version-sensitive paths
+# (metrics over replicas, the symbolic build, compute_loss, the optimizer update, loss
+# scaling, accumulation, XLA, recurrent and attention models). All of
 # those suites pass there (run by hand: docs/training.md); the newest versions run everything
 # in `make test`. tests/test_versions.py holds these pins to pyproject.toml's lower bounds.
 # The virtualenv lives outside the clone, so that CI's fresh clones on one machine reuse it
@@ -69,7 +70,7 @@ LOWEST_VENV ?= $(HOME)/.cache/tfscale/venv-lowest
 LOWEST := tensorflow-cpu==2.16.2 keras==3.10.0
 PARITY := tests/training/test_parity.py::test_tfscale_fit_matches_one_device_model_fit
 EXAMPLES := tests/training/test_parity_examples.py::test_tfscale_fit_matches_one_device_model_fit
-LOWEST_TESTS := tests/test_internals.py tests/test_versions.py \
+LOWEST_TESTS := tests/test_internals.py tests/test_versions.py tests/training/test_steps_per_call.py \
 	tests/training/test_equivalence.py::test_replicas_give_the_weights_of_one_device \
 	tests/training/test_equivalence.py::test_exactly_one_gradient_all_reduce_per_update_with_k_4 \
 	tests/training/test_xla.py::test_compile_jit_compile_true_is_the_same_option \
