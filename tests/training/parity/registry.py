@@ -156,11 +156,17 @@ def _train(case: Case, model: Any, train: Train, arguments: dict[str, Any]) -> A
     return case.procedure(model, train, arguments)
 
 
+def _reference_model(case: Case) -> Any:
+    """The reference side's model, built (on logical CPU 0), not trained."""
+    with tf.device("/device:CPU:0"):
+        return (case.reference_build or case.build)()
+
+
 def run_reference(case: Case) -> Run:
     """``model.fit`` of the case on one device (logical CPU 0)."""
+    model = _reference_model(case)
+    initial = [w.copy() for w in model.get_weights()]
     with tf.device("/device:CPU:0"):
-        model = (case.reference_build or case.build)()
-        initial = [w.copy() for w in model.get_weights()]
         arguments = _arguments(case.reference_fit or case.fit)
         history = _train(case, model, lambda m, **kw: m.fit(**kw), arguments)
     return Run(model, history, arguments, initial)
@@ -168,8 +174,7 @@ def run_reference(case: Case) -> Run:
 
 def reference_initial_weights(case: Case) -> list[np.ndarray]:
     """The initial weights :func:`run_reference` starts from: its model built, not trained."""
-    with tf.device("/device:CPU:0"):
-        return [w.copy() for w in (case.reference_build or case.build)().get_weights()]
+    return [w.copy() for w in _reference_model(case).get_weights()]
 
 
 def run_tfscale(
