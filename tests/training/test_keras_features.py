@@ -3,6 +3,7 @@ callbacks and BatchNormalization, each against one-device ``model.fit`` on the s
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,8 @@ import tensorflow as tf
 
 import tfscale
 from tfscale.testing import relative_difference
+from tfscale.training.data import RELEASE_THREAD
+from tfscale.training.prepare import prepared
 
 from .helpers import strategy_for
 
@@ -347,6 +350,14 @@ def test_a_nan_loss_with_a_finite_gradient_is_reported_as_applied() -> None:
     assert "of epoch 0, but its gradient was finite" in str(info.value)
     assert int(model.optimizer.iterations.numpy()) >= 3
     assert all(np.isfinite(w).all() for w in model.get_weights())
+    # The error, still held here (`info`), does not keep the fit's input alive: its iterator
+    # is released as after a fit that returns, not later by the garbage collector.
+    for thread in threading.enumerate():
+        if thread.name == RELEASE_THREAD:
+            thread.join(60)
+    state = prepared(model)
+    assert state is not None and state.epoch_iterator is not None
+    assert state.epoch_iterator() is None
 
 
 # -- reuse of compiled functions -----------------------------------------------------------------

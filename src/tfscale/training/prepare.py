@@ -27,13 +27,14 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import replace
+from types import FrameType
 from typing import Any
 
 import keras
 import tensorflow as tf
 
 from tfscale import internals
-from tfscale.errors import TrainingError, explain
+from tfscale.errors import TfscaleError, TrainingError, explain
 from tfscale.strategy_hooks import call_by_name
 from tfscale.training.adopt import adopt, model_optimizers
 from tfscale.training.allreduce import check_compression
@@ -126,6 +127,32 @@ def one_fit_at_a_time(strategy: tf.distribute.Strategy) -> threading.RLock:
         return lock
 
 
+def _drop_loop_locals(error: BaseException) -> None:
+    """Clears the locals of the finished frames an error raised in ``fit`` keeps alive.
+
+    Keras's ``fit`` frame holds the epoch iterator. Its traceback filter
+    (``keras.src.utils.traceback_utils``) drops Keras's frames from the traceback, but the
+    frames kept there still reach them through ``f_back``. While the error lives (caught and
+    kept, or in a reference cycle with the frame that caught it), the iterator would outlive
+    its release in the background and be destroyed wherever the garbage collector runs:
+    measured in the suite as one thread idle for 15-40 s, since destroying a distributed
+    iterator waits for tf.data's autotuning thread, which can miss the wake-up and sleep out
+    its period (up to 60 s; ARCHITECTURE.md, known problems). Only tfscale's own errors are
+    cleared: they say what went wrong without those locals; another exception keeps its
+    frames for the user's debugger.
+    """
+    traceback = error.__traceback__
+    while traceback is not None:
+        frame: FrameType | None = traceback.tb_frame
+        while frame is not None:
+            try:
+                frame.clear()
+            except RuntimeError:  # still executing: so are the frames it returns to
+                break
+            frame = frame.f_back
+        traceback = traceback.tb_next
+
+
 class Prepared:
     """The tfscale state of one prepared model (``model.__dict__["_tfscale"]``).
 
@@ -207,6 +234,9 @@ class Prepared:
             try:
                 with halt_released(update):
                     return call_by_name(type(self.model).fit, self.model, args, kwargs, copy)
+            except TfscaleError as error:
+                _drop_loop_locals(error)
+                raise
             finally:
                 held, self._fit_input = self._fit_input, outer
                 released_in_background(held)
