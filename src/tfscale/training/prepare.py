@@ -134,10 +134,10 @@ def _drop_loop_locals(error: BaseException) -> None:
     (``keras.src.utils.traceback_utils``) drops Keras's frames from the traceback, but the
     frames kept there still reach them through ``f_back``. While the error lives (caught and
     kept, or in a reference cycle with the frame that caught it), the iterator would outlive
-    its release in the background and be destroyed wherever the garbage collector runs:
-    measured in the suite as one thread idle for 15-40 s, since destroying a distributed
-    iterator waits for tf.data's autotuning thread, which can miss the wake-up and sleep out
-    its period (up to 60 s; ARCHITECTURE.md, known problems). Only tfscale's own errors are
+    its release in the background and be destroyed later, wherever the garbage collector
+    runs, on whatever thread that is. Destroying an old iterator can hold that thread up to
+    60 s: it waits for tf.data's autotuning thread, which can miss the wake-up and sleep out
+    its period (docs/ARCHITECTURE.md, known problems). Only tfscale's own errors are
     cleared: they say what went wrong without those locals; another exception keeps its
     frames for the user's debugger.
     """
