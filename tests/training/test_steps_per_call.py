@@ -75,8 +75,8 @@ def _model(steps_per_execution: int = 1, dropout: bool = False) -> keras.Model:
 
 
 def _inputs(kind: str, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
-    if kind == "arrays":
-        return {"x": x, "y": y, "batch_size": _BATCH, "shuffle": True}
+    if kind == "arrays":  # in order: Keras's own shuffle is not tfscale's order
+        return {"x": x, "y": y, "batch_size": _BATCH, "shuffle": False}
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(_BATCH)
     if kind == "tf.data":
         return {"x": dataset}
@@ -88,17 +88,11 @@ def test_several_steps_per_call_give_one_devices_weights_history_and_updates(kin
     x, y = _data(seed=11)
     reference = _model()
     with tf.device("/device:CPU:0"):
-        arguments = _inputs(kind, x, y)
-        if kind == "arrays":
-            arguments["shuffle"] = False  # Keras's own shuffle is not tfscale's order
-        expected = reference.fit(epochs=3, verbose=0, **arguments)
+        expected = reference.fit(epochs=3, verbose=0, **_inputs(kind, x, y))
     runs = {}
     for steps in (None, 1):
         model = _model()
         watcher = _StepsPerCall()
-        arguments = _inputs(kind, x, y)
-        if kind == "arrays":
-            arguments["shuffle"] = False
         history = tfscale.fit(
             model,
             epochs=3,
@@ -106,7 +100,7 @@ def test_several_steps_per_call_give_one_devices_weights_history_and_updates(kin
             callbacks=[watcher],
             strategy=strategy_for(2),
             steps_per_execution=steps,
-            **arguments,
+            **_inputs(kind, x, y),
         )
         runs[steps] = (model, history, watcher.seen)
     auto, one = runs[None], runs[1]
@@ -176,7 +170,10 @@ def test_one_step_per_call_wherever_steps_per_call_would_show() -> None:
     assert _decided(model, fit_arguments=with_validation) is None
     assert _decided(model, fit_arguments={"x": dataset, "validation_split": 0.2}) is None
     assert _decided(model, fit_arguments={"x": dataset.repeat()}) is None
-    assert _decided(model, fit_arguments={"x": dataset.repeat(), "steps_per_epoch": 5}) == 16
+    assert (
+        _decided(model, fit_arguments={"x": dataset.repeat(), "steps_per_epoch": 5})
+        == AUTO_STEPS_PER_EXECUTION
+    )
     # steps_per_epoch over a dataset of known length: Keras would count whole calls against
     # its length and restart the iterator each epoch instead of continuing it.
     assert _decided(model, fit_arguments={"x": dataset, "steps_per_epoch": 5}) is None
