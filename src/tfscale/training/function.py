@@ -7,7 +7,11 @@ a Python function over the iterator (``keras/src/backend/tensorflow/trainer.py``
     StepFunction(iterator)                     Python: skip on resume, timing hook, end of data
       multi_step(iterator)   tf.function       up to steps_per_execution steps; single worker:
                                                get_next; several: get_next_as_optional, whose
-                                               emptiness every worker agrees on
+                                               emptiness every worker agrees on. Several steps
+                                               are one while loop; a step that returns the
+                                               metrics (Keras's own) is traced once in it, one
+                                               whose outputs leave the loop twice (the first
+                                               step's outputs give the loop's structure)
         one_step(data)                         cross-replica: strategy.run(replica_step)
           replica_step(data)                   the model's own train_step / test_step, with
                                                its example count for the optimizer
@@ -216,6 +220,8 @@ class StepFunction:
         if self.steps_per_execution == 1 and self.single_worker:
             # The end of the data is an OutOfRangeError, as in Keras's own function.
             return tf.constant(1), self._logs(self._step(iterator.get_next()))
+        if self.steps_per_execution > 1 and self._step_returns_metrics():
+            return self._loop_of_steps(iterator, limit)
         first = iterator.get_next_as_optional()
         shapes: list[Any] = []
 
@@ -254,6 +260,40 @@ class StepFunction:
                 ),
             )
         return done, self._logs(outputs)
+
+    def _step_returns_metrics(self) -> bool:
+        """Whether the step's outputs are known, before tracing it, to be the model's metrics:
+        Keras's own ``train_step`` / ``test_step``, ``compute_metrics`` and
+        ``get_metrics_result`` (a step returns ``compute_metrics``'s result, which is
+        ``get_metrics_result``'s)."""
+        step = "train_step" if self.kind == "train" else "test_step"
+        return all(
+            internals.uses_default_step(self.model, name)
+            for name in (step, "compute_metrics", "get_metrics_result")
+        )
+
+    def _loop_of_steps(self, iterator: Any, limit: tf.Tensor) -> tuple[tf.Tensor, Any]:
+        """Up to ``limit`` steps in one while loop whose only state is the step count: the
+        step is traced once (its logs, the metrics, are read after the loop). A step whose
+        outputs must leave the loop is traced twice by ``_multi_step`` instead: once for the
+        first step, whose outputs give the loop's structure, and once in the loop."""
+
+        def more(count: tf.Tensor, going: tf.Tensor) -> tf.Tensor:
+            return tf.logical_and(going, count < limit)
+
+        def body(count: tf.Tensor, going: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+            optional = iterator.get_next_as_optional()
+
+            def step() -> tuple[tf.Tensor, tf.Tensor]:
+                outputs = self._one_step(optional.get_value())
+                if tf.nest.flatten(outputs):  # the metrics are returned as {}: not carried
+                    raise AssertionError(f"the step returned more than its metrics: {outputs}")
+                return count + 1, tf.constant(True)
+
+            return tf.cond(optional.has_value(), step, lambda: (count, tf.constant(False)))
+
+        done, _ = tf.while_loop(more, body, (tf.constant(0), tf.constant(True)))
+        return done, self._logs({})
 
     def _steps_on_batches(self, batches: tuple[Any, ...]) -> Any:
         outputs = None
