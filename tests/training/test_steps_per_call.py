@@ -194,3 +194,34 @@ def test_compiles_steps_per_execution_and_an_explicit_one_are_kept() -> None:
         )  # fmt: skip
         assert watcher.seen == [expected]
         assert int(model.optimizer.iterations.numpy()) == 13
+
+
+class _Traced(keras.layers.Layer):  # type: ignore[misc]
+    """Counts its calls in Python: each trace of a step calls it once per replica."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def call(self, inputs: tf.Tensor) -> tf.Tensor:
+        self.calls += 1
+        return inputs
+
+
+def test_several_steps_per_call_trace_keras_own_step_once() -> None:
+    """The step is traced inside the call's loop only: as often as for one step per call
+    (tracing it a second time for the first step doubled the start of a short fit)."""
+    x, y = _data(seed=17)
+    calls = {}
+    for steps in (None, 1):
+        traced = _Traced()
+        model = keras.Sequential([keras.Input((8,)), traced, keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.01), "mse")
+        watcher = _StepsPerCall()
+        tfscale.fit(
+            model, x, y, batch_size=_BATCH, epochs=2, verbose=0, callbacks=[watcher],
+            strategy=strategy_for(2), steps_per_execution=steps,
+        )  # fmt: skip
+        assert watcher.seen == [AUTO_STEPS_PER_EXECUTION if steps is None else 1] * 2
+        calls[steps] = traced.calls
+    assert calls[None] == calls[1], calls
