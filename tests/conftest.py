@@ -109,20 +109,6 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
     _GATE.refusing = None
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules with a ``slow`` test run first, then those with a ``tf`` or ``multiprocess``
-    test, then the pure ones; each module's tests still together and in order. ``make
-    test``'s two processes then end on short tests, not one on a long test while the other
-    has finished (the longest jobs first). xdist hands out its groups first (``--dist
-    loadgroup``), then the tests in this order."""
-
-    def modules(*marks: str) -> set[Any]:
-        return {item.module for item in items if any(map(item.get_closest_marker, marks))}
-
-    slow, heavy = modules("slow"), modules("tf", "multiprocess")
-    items.sort(key=lambda item: (item.module not in slow, item.module not in heavy))
-
-
 def _refuse_children(nodeid: str) -> Any:
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise AssertionError(
