@@ -134,9 +134,10 @@ def flatten_layers(model: Any, include_self: bool = True) -> list[Any]:
 
 
 def uses_default_step(model: Any, name: str) -> bool:
-    """Whether ``model``'s class keeps Keras's own ``train_step`` / ``test_step``.
+    """Whether ``model``'s class keeps Keras's own method ``name`` (``train_step``,
+    ``test_step``, ``compute_loss``, ``compute_metrics``, ``get_metrics_result``...).
 
-    Compared with the TensorFlow backend's trainer class, which defines them.
+    Compared with the TensorFlow backend's trainer class, which defines or inherits them.
     """
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 

@@ -287,7 +287,10 @@ class StepFunction:
             def step() -> tuple[tf.Tensor, tf.Tensor]:
                 outputs = self._one_step(optional.get_value())
                 if tf.nest.flatten(outputs):  # the metrics are returned as {}: not carried
-                    raise AssertionError(f"the step returned more than its metrics: {outputs}")
+                    raise AssertionError(
+                        "Keras's own step returned more than the model's metrics, which "
+                        f"StepFunction._step_returns_metrics assumes it does not: {outputs}"
+                    )
                 return count + 1, tf.constant(True)
 
             return tf.cond(optional.has_value(), step, lambda: (count, tf.constant(False)))
