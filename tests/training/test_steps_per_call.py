@@ -212,8 +212,9 @@ def test_several_steps_per_call_trace_keras_own_step_once() -> None:
     """The step is traced inside the call's loop only: as often as for one step per call
     (tracing it a second time for the first step doubled the start of a short fit)."""
     x, y = _data(seed=17)
-    calls = {}
+    calls, weights = {}, {}
     for steps in (None, 1):
+        keras.utils.set_random_seed(7)
         traced = _Traced()
         model = keras.Sequential([keras.Input((8,)), traced, keras.layers.Dense(1)])
         model.compile(keras.optimizers.SGD(0.01), "mse")
@@ -223,5 +224,7 @@ def test_several_steps_per_call_trace_keras_own_step_once() -> None:
             strategy=strategy_for(2), steps_per_execution=steps,
         )  # fmt: skip
         assert watcher.seen == [AUTO_STEPS_PER_EXECUTION if steps is None else 1] * 2
-        calls[steps] = traced.calls
-    assert calls[None] == calls[1], calls
+        calls[steps], weights[steps] = traced.calls, model.get_weights()
+    assert calls[1] > 0 and calls[None] == calls[1], calls
+    # The loop of steps trains as one step per call does (the same seed, the same batches).
+    assert relative_difference(weights[None], weights[1]) <= 1e-6
