@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -248,6 +249,29 @@ def test_epoch_iterator_dataset_and_per_replica_specs() -> None:
     components = internals.per_replica_component_specs(tf.nest.flatten(spec)[0])
     assert components is not None and len(components) == 2
     assert internals.per_replica_component_specs(tf.TensorSpec([2])) is None
+
+
+def test_watch_epoch_iterators_hands_over_each_iterator_keras_makes() -> None:
+    from keras.src.backend.tensorflow.trainer import TFEpochIterator
+
+    strategy = mirrored_on_cpus(2)
+    data = tf.data.Dataset.from_tensor_slices(np.zeros((8, 3), "float32")).batch(4)
+    epochs = TFEpochIterator(x=data, distribute_strategy=strategy)
+    _require(epochs, "_get_iterator", "watch_epoch_iterators", "training.data.FitInputs")
+    made: list[Any] = []
+    internals.watch_epoch_iterators(epochs, made.append)
+    for _ in range(2):  # an epoch each, as fit and evaluate run it
+        before = len(made)
+        epochs.reset()
+        steps = [step[-1] for step in epochs]  # (step, iterator); Keras 3.12: (begin, end, ...)
+        # This epoch's iterator was handed over as it was made (Keras may make a spare).
+        assert len(steps) == 2 and len(made) > before
+        assert all(any(step is new for new in made[before:]) for step in steps)
+    # No reference cycle: the epoch iterator is freed with its last reference.
+    watched = weakref.ref(epochs)
+    del epochs, steps
+    assert watched() is None
+    made.clear()
 
 
 def test_forget_learned_epoch_length_only_for_unknown_lengths() -> None:

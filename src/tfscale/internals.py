@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -63,6 +64,7 @@ __all__ = [
     "train_validation_split",
     "uses_default_step",
     "variable_strategy",
+    "watch_epoch_iterators",
     "watch_gradient_targets",
     "watch_loss_reductions",
     "xplane_pb2",
@@ -109,6 +111,37 @@ def symbolic_build(model: Any, data_batch: Any) -> None:
 def epoch_iterator_dataset(epoch_iterator: Any) -> Any:
     """The dataset behind Keras's ``TFEpochIterator`` (``_distributed_dataset``)."""
     return epoch_iterator._distributed_dataset
+
+
+class _MadeFrom:
+    """What a watched ``EpochIterator._get_iterator`` returns: Keras only calls ``iter`` on it,
+    which makes the iterator as Keras would and hands it to the watcher first."""
+
+    def __init__(self, data: Any, made: Callable[[Any], None]) -> None:
+        self._data = data
+        self._made = made
+
+    def __iter__(self) -> Any:
+        iterator = iter(self._data)
+        self._made(iterator)
+        return iterator
+
+
+def watch_epoch_iterators(epoch_iterator: Any, made: Callable[[Any], None]) -> None:
+    """Hands ``made`` every iterator Keras's ``EpochIterator`` makes over its data, as it
+    makes it (``iter(self._get_iterator())``: each epoch's, each ``evaluate``'s).
+
+    ``_get_iterator`` is replaced on this one instance. The replacement reaches the instance
+    through a weak reference, so it adds no reference cycle: the epoch iterator is still
+    freed the moment its last reference goes.
+    """
+    owner = weakref.ref(epoch_iterator)
+    data_of = type(epoch_iterator)._get_iterator
+
+    def get_iterator() -> _MadeFrom:
+        return _MadeFrom(data_of(owner()), made)
+
+    epoch_iterator._get_iterator = get_iterator
 
 
 def forget_learned_epoch_length(epoch_iterator: Any) -> None:

@@ -16,7 +16,7 @@ import tensorflow as tf
 import tfscale
 from tfscale.testing import relative_difference
 from tfscale.training import Trainer
-from tfscale.training.data import EpochOrder
+from tfscale.training.data import EpochOrder, FitInputs
 from tfscale.training.prepare import prepared
 
 from .helpers import CLASSES, DATA, FEATURES, batches, reference_weights, strategy_for, tiny_model
@@ -418,6 +418,100 @@ def test_one_distributed_iterator_serves_every_epoch_of_a_fit(
     keras_model = tiny_model(strategy, "adam", lr=0.01)
     keras_model.fit(dataset, epochs=4, validation_data=(x[:64], y[:64]), verbose=0)
     assert made.count(made[0]) >= 8  # Keras alone: 2 per epoch for training (+1 to build)
+
+
+def test_every_iterator_of_a_fit_is_destroyed_off_the_callers_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Keras's evaluate makes a new iterator every validation epoch and drops the last one,
+    whose destruction can leave the caller idle for up to the iterator's age (60 s at most:
+    tf.data's autotuning thread misses its wake-up, docs/ARCHITECTURE.md known problems).
+    Under tfscale.fit each dropped one is released in the background when the next is made,
+    and the rest when the fit ends: none is destroyed on the caller's thread. (That none is
+    kept past the next one: test_fit_inputs_release_what_keras_dropped_when_the_next_comes.)"""
+    from keras.src.backend.tensorflow.trainer import TFEpochIterator
+
+    made: list[weakref.ref[Any]] = []
+    destroyed_by: dict[int, str] = {}
+    original = TFEpochIterator._get_iterator
+
+    class Recorded:
+        def __init__(self, dataset: Any) -> None:
+            self.dataset = dataset
+
+        def __iter__(self) -> Any:
+            iterator = iter(self.dataset)
+            weakref.finalize(iterator, _record_thread, destroyed_by, len(made))
+            made.append(weakref.ref(iterator))
+            return iterator
+
+    monkeypatch.setattr(TFEpochIterator, "_get_iterator", lambda self: Recorded(original(self)))
+    x, y = DATA
+    strategy = strategy_for(2)
+    model = tiny_model(strategy, "adam", lr=0.01)
+    tfscale.fit(
+        model, batches(x, y, 32), epochs=4, validation_data=batches(x[:64], y[:64], 32),
+        strategy=strategy, verbose=0,
+    )  # fmt: skip
+    # Training's one iterator, and Keras's validation makes two per epoch (the second, a
+    # spare made as the first runs out, is dropped by the next epoch's reset).
+    assert len(made) == 9, len(made)
+    for thread in threading.enumerate():
+        if thread.name == "tfscale-input-release":
+            thread.join(timeout=60)
+    assert sorted(destroyed_by) == list(range(9)), destroyed_by
+    assert set(destroyed_by.values()) == {"tfscale-input-release"}, destroyed_by
+
+
+class _Iterator:
+    def __next__(self) -> int:
+        return 0
+
+
+class _Epochs:
+    """Keras's EpochIterator as FitInputs sees it: ``iter(self._get_iterator())`` each
+    epoch, the new iterator replacing the last only once it is made."""
+
+    def __init__(self) -> None:
+        self.current: _Iterator | None = None
+
+    def _get_iterator(self) -> Any:
+        return self
+
+    def __iter__(self) -> _Iterator:
+        return _Iterator()
+
+    def epoch(self) -> None:
+        self.current = iter(self._get_iterator())
+
+
+def test_fit_inputs_release_what_keras_dropped_when_the_next_comes_and_the_rest_at_the_end() -> (
+    None
+):
+    epochs = _Epochs()
+    destroyed_by: dict[str, str] = {}
+    inputs = FitInputs()
+    inputs.watch(epochs)
+    epochs.epoch()
+    first = epochs.current
+    weakref.finalize(first, _record_thread, destroyed_by, "first")
+    del first
+    epochs.epoch()  # made while `current` still holds the first: kept
+    weakref.finalize(epochs.current, _record_thread, destroyed_by, "second")
+    assert destroyed_by == {}
+    epochs.epoch()  # the first is only FitInputs' now: released
+    for thread in threading.enumerate():
+        if thread.name == "tfscale-input-release":
+            thread.join(timeout=30)
+    assert destroyed_by == {"first": "tfscale-input-release"}
+    epochs.epoch()  # the second goes too, while `epochs` itself stays held (still in use)
+    weakref.finalize(epochs, _record_thread, destroyed_by, "epochs")
+    del epochs
+    inputs.release()
+    for thread in threading.enumerate():
+        if thread.name == "tfscale-input-release":
+            thread.join(timeout=30)
+    assert destroyed_by == dict.fromkeys(["first", "second", "epochs"], "tfscale-input-release")
 
 
 def test_arrays_are_cut_per_replica_by_graph_ops_alone_as_tf_distribute_splits_them() -> None:

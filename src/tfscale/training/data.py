@@ -11,14 +11,18 @@
   sees them when there are several replicas (:func:`copied_batches`, applied by a prepared
   model's ``fit``, so ``tfscale.fit`` and ``prepare`` + ``model.fit`` both get it):
   TensorFlow otherwise writes into the user's arrays.
-- The fit's distributed iterator is destroyed off the caller's thread
-  (:func:`released_in_background`): its destruction waits for its prefetch threads.
+- The fit's iterators are destroyed off the caller's thread (:class:`FitInputs`,
+  :func:`released_in_background`): destroying one waits for its prefetch and autotuning
+  threads. That covers the iterators Keras makes and drops during the fit (each validation
+  epoch's), not only the training input.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import types
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +36,7 @@ from tfscale import internals
 __all__ = [
     "COPIED_FIT_ARGUMENTS",
     "EpochOrder",
+    "FitInputs",
     "KerasInputs",
     "agreed_seed",
     "copied_batches",
@@ -105,6 +110,57 @@ def released_in_background(held: list[Any]) -> None:
     """
     if held:
         threading.Thread(target=held.clear, name=RELEASE_THREAD).start()
+
+
+class FitInputs:
+    """What one fit iterates, held so that none of it is destroyed on the caller's thread.
+
+    A prepared model's ``fit`` holds Keras's epoch iterators (:meth:`watch`: training's,
+    validation's, an ``evaluate``'s run by a callback) and every iterator they make (Keras's
+    ``evaluate`` makes a new one every validation epoch, and a spare as that one runs out).
+    Whatever Keras has dropped is handed to :func:`released_in_background` when the next one
+    comes, and the rest when the fit ends (:meth:`release`). Destroying an iterator can leave
+    the caller idle for up to 60 s: its autotuning thread can miss the wake-up and sleep out
+    its period, which grows with the iterator's age (docs/ARCHITECTURE.md, known problems),
+    so each validation epoch could start that much late.
+    """
+
+    # The references to an object that only this one holds, as hold counts them: the
+    # list's entry and getrefcount's argument.
+    _ONLY_OURS = 2
+
+    def __init__(self) -> None:
+        self._held: list[Any] = []
+
+    def watch(self, epoch_iterator: Any) -> None:
+        """Holds ``epoch_iterator`` and every iterator it makes from now on."""
+        if any(held is epoch_iterator for held in self._held):
+            return
+        self.hold(epoch_iterator)
+        inputs = weakref.ref(self)  # the epoch iterator must not keep this object alive
+
+        def made(iterator: Any) -> None:
+            held = inputs()
+            if held is not None:
+                held.hold(iterator)
+
+        internals.watch_epoch_iterators(epoch_iterator, made)
+
+    def hold(self, item: Any) -> None:
+        """Holds ``item``, first releasing what only this object still holds."""
+        kept: list[Any] = []
+        dropped: list[Any] = []
+        while self._held:
+            (kept if sys.getrefcount(self._held[-1]) > self._ONLY_OURS else dropped).append(
+                self._held.pop()
+            )
+        self._held = [*kept[::-1], item]
+        released_in_background(dropped)
+
+    def release(self) -> None:
+        """Releases everything held, off the caller's thread."""
+        held, self._held = self._held, []
+        released_in_background(held)
 
 
 # The arguments of Model.fit whose generators and PyDatasets :func:`copied_batches` copies

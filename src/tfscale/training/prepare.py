@@ -40,7 +40,7 @@ from tfscale.training.adopt import adopt, model_optimizers
 from tfscale.training.allreduce import check_compression
 from tfscale.training.callbacks import guarded, halt_released
 from tfscale.training.checks import check_global_clipnorm, python_int
-from tfscale.training.data import COPIED_FIT_ARGUMENTS, copied_batches, released_in_background
+from tfscale.training.data import COPIED_FIT_ARGUMENTS, FitInputs, copied_batches
 from tfscale.training.function import StepFunction, example_count
 from tfscale.training.loop import register_loop
 from tfscale.training.optimizer import DistributedUpdate, distributed_update
@@ -168,9 +168,9 @@ class Prepared:
         self.options = options
         self.record_timings = False
         self.epoch_iterator: weakref.ref[Any] | None = None
-        # The running fit's epoch iterator, held so that it is destroyed off the caller's
-        # thread when the fit returns (data.released_in_background); None outside fit.
-        self._fit_input: list[Any] | None = None
+        # The running fit's epoch iterators and the iterators they make, held so that they
+        # are destroyed off the caller's thread (data.FitInputs); None outside fit.
+        self._fit_input: FitInputs | None = None
         internals.override(model, "make_train_function", self.make_train_function)
         internals.override(model, "make_test_function", self.make_test_function)
         internals.override(model, "_maybe_symbolic_build", self.symbolic_build)
@@ -230,7 +230,7 @@ class Prepared:
         update = self.update
         with one_fit_at_a_time(self.strategy):
             self.epoch_iterator = None  # the first symbolic build of this fit sets it
-            outer, self._fit_input = self._fit_input, []
+            outer, self._fit_input = self._fit_input, FitInputs()
             try:
                 with halt_released(update):
                     return call_by_name(type(self.model).fit, self.model, args, kwargs, copy)
@@ -239,7 +239,8 @@ class Prepared:
                 raise
             finally:
                 held, self._fit_input = self._fit_input, outer
-                released_in_background(held)
+                if held is not None:
+                    held.release()
 
     def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
         """Keras's ``compute_loss`` of the model (its class's), 0 on a replica with no examples.
@@ -297,8 +298,9 @@ class Prepared:
             # The fit's training epoch iterator (built before any evaluate's), for the
             # checkpoint's resumed epoch (checkpoint.py).
             self.epoch_iterator = weakref.ref(iterator)
-            if self._fit_input is not None:
-                self._fit_input.append(iterator)
+        if self._fit_input is not None and iterator is not None:
+            # Training's and validation's (Keras's evaluate builds with it every epoch).
+            self._fit_input.watch(iterator)
         unbuilt = (
             not all(layer.built for layer in internals.flatten_layers(model))
             or (model.optimizer is not None and not model.optimizer.built)
