@@ -57,7 +57,8 @@ test: venv
 
 # The lowest TensorFlow and Keras that pyproject.toml declares, in a second virtualenv: every
 # private name and per-instance override tfscale relies on (test_internals), the declared
-# bounds (test_versions), several steps per call (Keras's callback hooks and loop), and a
+# bounds (test_versions), several steps per call (Keras's callback hooks and loop), the
+# release of every iterator a fit makes (Keras's epoch iterator, validation's), and a
 # share of the equivalence, XLA and parity suites chosen for the version-sensitive paths
 # (metrics over replicas, the symbolic build, compute_loss, the optimizer update, loss
 # scaling, accumulation, XLA, recurrent and attention models). All of
