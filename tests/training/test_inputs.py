@@ -449,9 +449,10 @@ def test_every_iterator_of_a_fit_is_destroyed_off_the_callers_thread(
     x, y = DATA
     strategy = strategy_for(2)
     model = tiny_model(strategy, "adam", lr=0.01)
-    tfscale.fit(
-        model, batches(x, y, 32), epochs=4, validation_data=batches(x[:64], y[:64], 32),
-        strategy=strategy, verbose=0,
+    validation = batches(x[:64], y[:64], 32)
+    history = tfscale.fit(
+        model, batches(x, y, 32), epochs=4, validation_data=validation, strategy=strategy,
+        verbose=0,
     )  # fmt: skip
     # Training's one iterator, and Keras's validation makes two per epoch (the second, a
     # spare made as the first runs out, is dropped by the next epoch's reset).
@@ -461,6 +462,19 @@ def test_every_iterator_of_a_fit_is_destroyed_off_the_callers_thread(
             thread.join(timeout=60)
     assert sorted(destroyed_by) == list(range(9)), destroyed_by
     assert set(destroyed_by.values()) == {"tfscale-input-release"}, destroyed_by
+    # Held and released elsewhere, every validation epoch still read its own batches: the
+    # weights and the validation losses of Keras's model.fit on one device.
+    monkeypatch.undo()
+    with tf.device("/device:CPU:0"):
+        reference = tiny_model(None, "adam", lr=0.01)
+        expected = reference.fit(
+            batches(x, y, 32), epochs=4, validation_data=validation, verbose=0
+        ).history
+    assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5
+    assert np.allclose(history.history["val_loss"], expected["val_loss"], rtol=1e-5), (
+        history.history["val_loss"],
+        expected["val_loss"],
+    )
 
 
 class _Iterator:
