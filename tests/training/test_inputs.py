@@ -16,7 +16,7 @@ import tensorflow as tf
 import tfscale
 from tfscale.testing import relative_difference
 from tfscale.training import Trainer
-from tfscale.training.data import EpochOrder, FitInputs
+from tfscale.training.data import RELEASE_THREAD, EpochOrder, FitInputs
 from tfscale.training.prepare import prepared
 
 from .helpers import CLASSES, DATA, FEATURES, batches, reference_weights, strategy_for, tiny_model
@@ -369,6 +369,13 @@ def test_unknown_length_data_ends_each_epoch_with_one_or_several_steps_per_call(
     assert results == [(1, False)] * 8 + [(0, True)]
 
 
+def _join_releases(timeout: float) -> None:
+    """Waits for the fits' input-release threads (each up to ``timeout`` seconds)."""
+    for thread in threading.enumerate():
+        if thread.name == RELEASE_THREAD:
+            thread.join(timeout)
+
+
 def _record_thread(names: dict[int, str], key: int) -> None:
     names[key] = threading.current_thread().name
 
@@ -408,10 +415,8 @@ def test_one_distributed_iterator_serves_every_epoch_of_a_fit(
         assert history.epoch == [0, 1, 2, 3] and int(model.optimizer.iterations.numpy()) == 32
         # It is destroyed (its prefetch threads joined) off the caller's thread, which does
         # not wait for it: the call returned as training ended (#26).
-        for thread in threading.enumerate():
-            if thread.name == "tfscale-input-release":
-                thread.join(timeout=30)
-        assert released_by.get(made[0]) == "tfscale-input-release", released_by
+        _join_releases(30.0)
+        assert released_by.get(made[0]) == RELEASE_THREAD, released_by
         expected = reference_weights(x, y, batch=32, steps=8, optimizer="adam", lr=0.01, epochs=4)
         assert relative_difference(model.get_weights(), expected) <= 1e-5
     made.clear()
@@ -457,11 +462,9 @@ def test_every_iterator_of_a_fit_is_destroyed_off_the_callers_thread(
     # Training's one iterator, and Keras's validation makes two per epoch (the second, a
     # spare made as the first runs out, is dropped by the next epoch's reset).
     assert len(made) == 9, len(made)
-    for thread in threading.enumerate():
-        if thread.name == "tfscale-input-release":
-            thread.join(timeout=60)
+    _join_releases(60.0)
     assert sorted(destroyed_by) == list(range(9)), destroyed_by
-    assert set(destroyed_by.values()) == {"tfscale-input-release"}, destroyed_by
+    assert set(destroyed_by.values()) == {RELEASE_THREAD}, destroyed_by
     # Held and released elsewhere, every validation epoch still read its own batches: the
     # weights and the validation losses of Keras's model.fit on one device.
     monkeypatch.undo()
@@ -514,18 +517,14 @@ def test_fit_inputs_release_what_keras_dropped_when_the_next_comes_and_the_rest_
     weakref.finalize(epochs.current, _record_thread, destroyed_by, "second")
     assert destroyed_by == {}
     epochs.epoch()  # the first is only FitInputs' now: released
-    for thread in threading.enumerate():
-        if thread.name == "tfscale-input-release":
-            thread.join(timeout=30)
-    assert destroyed_by == {"first": "tfscale-input-release"}
+    _join_releases(30.0)
+    assert destroyed_by == {"first": RELEASE_THREAD}
     epochs.epoch()  # the second goes too, while `epochs` itself stays held (still in use)
     weakref.finalize(epochs, _record_thread, destroyed_by, "epochs")
     del epochs
     inputs.release()
-    for thread in threading.enumerate():
-        if thread.name == "tfscale-input-release":
-            thread.join(timeout=30)
-    assert destroyed_by == dict.fromkeys(["first", "second", "epochs"], "tfscale-input-release")
+    _join_releases(30.0)
+    assert destroyed_by == dict.fromkeys(["first", "second", "epochs"], RELEASE_THREAD)
 
 
 def test_arrays_are_cut_per_replica_by_graph_ops_alone_as_tf_distribute_splits_them() -> None:
