@@ -9,10 +9,16 @@ EXTRAS := $(EXTRA),dev,ray
 
 .PHONY: demo test test-lowest check quick lint unit venv clean bench
 
+# uv installs what pip would (the same resolution from PyPI), downloading and unpacking in
+# parallel: 22 s from an empty cache against 38-58 s for pip, a fresh clone's first half minute.
+# --compile-bytecode: pip's default, and the suite's 110 TensorFlow processes need it where
+# PYTHONDONTWRITEBYTECODE is set (each would compile TensorFlow's modules anew).
+UV_INSTALL := uv pip install --quiet --compile-bytecode
+
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
+	$(BIN)/python -m pip install --quiet uv
+	$(BIN)/$(UV_INSTALL) --python $(BIN)/python -e ".[$(EXTRAS)]"
 	touch $@
 
 venv: $(BIN)/.installed
@@ -85,7 +91,9 @@ LOWEST_TESTS := tests/test_internals.py tests/test_versions.py tests/training/te
 
 test-lowest:
 	test -x $(LOWEST_VENV)/bin/python || $(PYTHON) -m venv $(LOWEST_VENV)
-	$(LOWEST_VENV)/bin/python -m pip install --quiet ".[cpu,dev]" $(LOWEST)
+	$(LOWEST_VENV)/bin/python -m pip install --quiet uv
+	$(LOWEST_VENV)/bin/$(UV_INSTALL) --python $(LOWEST_VENV)/bin/python \
+		--reinstall-package tfscale ".[cpu,dev]" $(LOWEST)
 	PYTHONPATH=$(CURDIR)/src $(LOWEST_VENV)/bin/python -c \
 		"import tensorflow as tf, keras, tfscale; print('lowest:', tf.__version__, keras.__version__, tfscale.__file__)"
 	PYTHONPATH=$(CURDIR)/src $(LOWEST_VENV)/bin/python -m pytest -q -n 2 --dist loadgroup \
