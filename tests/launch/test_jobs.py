@@ -62,7 +62,10 @@ class _Job:
 
 def _start(name: str, args: list[str], out_dir: Path, **extra_env: str) -> _Job:
     env = dict(os.environ, PYTHONPATH=str(_ROOT / "src"), **extra_env)
-    env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # as for a user: the workers' chatter is dropped
+    # As for a user (TensorFlow's defaults): the workers' chatter, oneDNN's notice included,
+    # is dropped.
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    env.pop("TF_ENABLE_ONEDNN_OPTS", None)
     env.pop("TF_CONFIG", None)
     env.pop("TFSCALE_VIRTUAL_DEVICES", None)
     process = subprocess.Popen(

@@ -85,7 +85,11 @@ def test_bench_and_profile_commands_write_reports(tmp_path: Path) -> None:
     """
     done = run_python(
         code,
-        env={"TFSCALE_VIRTUAL_DEVICES": "2", "TF_CPP_MIN_LOG_LEVEL": ""},
+        env={
+            "TFSCALE_VIRTUAL_DEVICES": "2",
+            "TF_CPP_MIN_LOG_LEVEL": "",
+            "TF_ENABLE_ONEDNN_OPTS": "",
+        },
         timeout=240,
         cwd=str(tmp_path),
     )
