@@ -1,17 +1,20 @@
 """Elastic jobs that train: ``tfscale launch -n 3 --min-workers 2 --max-restarts 1`` whose
 worker 2 is SIGKILLed in epoch 2 on every start with 3 workers ends on 2 workers with the
-weights of the uninterrupted 3-worker run, for shuffled arrays, a tf.data pipeline and a
-dataset_fn (tests/launch/data/elastic_train.py), and for a custom training loop with
+weights of the uninterrupted run, for shuffled arrays, a tf.data pipeline and a dataset_fn
+(tests/launch/data/elastic_train.py), and for a custom training loop with
 tfscale.prepare_loop and tf.train.CheckpointManager (tests/launch/data/elastic_loop.py).
 
-The jobs start together in one module fixture (as test_jobs.py's): the uninterrupted
-reference (the three inputs one after the other in one 3-worker job), one elastic job
-per input (for arrays 2 attempts of 3 workers, for the others 1, then 2 workers), and
-the custom loop's uninterrupted reference and elastic job.
+The jobs start together in one module fixture (as test_jobs.py's): one elastic job per input
+(for arrays 2 attempts of 3 workers, for the others 1, then 2 workers) and the custom loop's.
+While they run, the fixture trains the uninterrupted references in the test process: the
+scripts' own ``train`` under MirroredStrategy over 3 logical CPUs, which reads the same
+global batches as 3 workers (the 3-worker job gave these weights within 1.1e-6, and 3
+worker processes more would cost 3 TensorFlow start-ups for each script).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -21,22 +24,25 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
 
-from tfscale.testing import groups_alive, relative_difference
+from tfscale.testing import groups_alive, mirrored_on_cpus, relative_difference
 
 # One worker runs this module (make test: --dist loadgroup), so its module fixture runs once.
 pytestmark = [
+    pytest.mark.tf,
     pytest.mark.multiprocess,
     pytest.mark.slow,
     pytest.mark.xdist_group("launch-elastic-jobs"),
 ]
 
 _ROOT = Path(__file__).resolve().parents[2]
-_SCRIPT = str(Path(__file__).parent / "data" / "elastic_train.py")
-_LOOP = str(Path(__file__).parent / "data" / "elastic_loop.py")
+_DATA = Path(__file__).parent / "data"
+_SCRIPT = str(_DATA / "elastic_train.py")
+_LOOP = str(_DATA / "elastic_loop.py")
 _KINDS = ("arrays", "tfdata", "dataset_fn")
 _TIMEOUT = 900.0
 # 10 updates per epoch (480 examples, global batch 48), checkpoints every 4 updates and at
@@ -87,15 +93,25 @@ def _start(folder: Path, args: list[str]) -> _Job:
     return _Job(folder, process)
 
 
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, _DATA / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass
+class _Run:
+    jobs: dict[str, _Job]
+    # The uninterrupted run's weights, per input kind and for "loop".
+    references: dict[str, list[np.ndarray]]
+
+
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Job]]:
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Run]:
     root = tmp_path_factory.mktemp("elastic")
-    started = {
-        "reference": _start(
-            root / "reference",
-            ["-n", "3", _SCRIPT, "--data", ",".join(_KINDS), "--out", str(root / "reference/w")],
-        )
-    }
+    started = {}
     for kind in _KINDS:
         folder = root / kind
         started[kind] = _start(
@@ -105,9 +121,6 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Job]]:
              "--kill-after", str(_KILL_AFTER), "--record", str(folder)],
         )  # fmt: skip
     # The custom loop: checkpoints every 4 steps, worker 2 dies after step 26 (epoch 2 of 4).
-    started["loop_reference"] = _start(
-        root / "loop_reference", ["-n", "3", _LOOP, "--out", str(root / "loop_reference/w.npz")]
-    )
     folder = root / "loop"
     started["loop"] = _start(
         folder,
@@ -117,6 +130,10 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Job]]:
     )  # fmt: skip
     deadline = time.time() + _TIMEOUT
     try:
+        mirrored = mirrored_on_cpus(3)
+        train = _load("elastic_train")
+        references = {kind: train.train(mirrored, kind) for kind in _KINDS}
+        references["loop"] = _load("elastic_loop").train(mirrored)[1]
         for job in started.values():
             try:
                 remaining = max(1.0, deadline - time.time())
@@ -129,13 +146,12 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Job]]:
             if job.process.poll() is None:
                 os.killpg(job.process.pid, 9)
                 job.process.communicate()
-    yield started
+    yield _Run(started, references)
 
 
-def _check_dropped_worker_2(reference: _Job, job: _Job, restarts: int) -> None:
-    """Both jobs exited 0; ``job`` lost worker 2 on ``restarts + 1`` starts, resumed, finished
-    on 2: every start's task pids were reported and none is left."""
-    assert reference.process.returncode == 0, reference.stderr[-3000:]
+def _check_dropped_worker_2(job: _Job, restarts: int) -> None:
+    """``job`` exited 0, lost worker 2 on ``restarts + 1`` starts, resumed, finished on 2:
+    every start's task pids were reported and none is left."""
     assert job.process.returncode == 0, job.stderr[-3000:]
     starts = restarts + 1
     said = "1 start" if starts == 1 else f"{starts} starts in a row"
@@ -157,25 +173,23 @@ def _check_dropped_worker_2(reference: _Job, job: _Job, restarts: int) -> None:
 
 @pytest.mark.parametrize("kind", _KINDS)
 def test_job_losing_worker_2_finishes_on_2_with_the_uninterrupted_weights(
-    jobs: dict[str, _Job], kind: str
+    run: _Run, kind: str
 ) -> None:
-    reference, job = jobs["reference"], jobs[kind]
-    _check_dropped_worker_2(reference, job, _RESTARTS[kind])
+    job = run.jobs[kind]
+    _check_dropped_worker_2(job, _RESTARTS[kind])
     assert f"[worker 0] {kind} on 2 workers: done" in job.stdout
-    difference = relative_difference(
-        job.weights(f"w-{kind}.npz"), reference.weights(f"w-{kind}.npz")
-    )
-    print(f"{kind}: relative difference to the uninterrupted 3-worker run {difference:.2e}")
+    difference = relative_difference(job.weights(f"w-{kind}.npz"), run.references[kind])
+    print(f"{kind}: relative difference to the uninterrupted run {difference:.2e}")
     assert difference <= 1e-5, difference
 
 
 def test_custom_loop_losing_worker_2_finishes_on_2_with_the_uninterrupted_weights(
-    jobs: dict[str, _Job],
+    run: _Run,
 ) -> None:
     """tfscale.prepare_loop, CheckpointManager every 4 steps, resume by skipping batches."""
-    reference, job = jobs["loop_reference"], jobs["loop"]
-    _check_dropped_worker_2(reference, job, _RESTARTS["loop"])
+    job = run.jobs["loop"]
+    _check_dropped_worker_2(job, _RESTARTS["loop"])
     assert f"[worker 0] loop on 2 workers from step {_RESUMED_AT}: done" in job.stdout
-    difference = relative_difference(job.weights("w.npz"), reference.weights("w.npz"))
-    print(f"custom loop: relative difference to the uninterrupted 3-worker run {difference:.2e}")
+    difference = relative_difference(job.weights("w.npz"), run.references["loop"])
+    print(f"custom loop: relative difference to the uninterrupted run {difference:.2e}")
     assert difference <= 1e-5, difference

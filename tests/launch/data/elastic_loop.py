@@ -18,7 +18,9 @@ examples on any number of workers; a resumed job skips the batches already train
 With --kill-after, the last worker of a 3-worker cluster SIGKILLs itself once the step
 counter reaches STEP, on every start (a machine that fails for good); on 2 workers nobody
 dies. The chief saves the final weights to FILE (.npz). --record writes, per worker and
-attempt, the cluster size and the step it started from.
+attempt, the cluster size and the step it started from. The test runs the uninterrupted
+reference in its own process (``train`` under MirroredStrategy over 3 logical CPUs: one input
+pipeline, the same global batches).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import os
 import shutil
 import signal
 from collections.abc import Callable
+from typing import Any
 
 import keras
 import numpy as np
@@ -64,15 +67,15 @@ def make_dataset(start: int) -> Callable[[tf.distribute.InputContext], tf.data.D
     return input_fn
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--checkpoint-dir")
-    parser.add_argument("--kill-after", type=int)
-    parser.add_argument("--record")
-    args = parser.parse_args()
-    choice = tfscale.choose_strategy(strict=True)
-    strategy, cluster = choice.strategy, choice.cluster
+def train(
+    strategy: tf.distribute.Strategy,
+    cluster: Any = None,
+    checkpoint_dir: str | None = None,
+    kill_after: int | None = None,
+    record: str | None = None,
+) -> tuple[int, list[np.ndarray]]:
+    """The loop over all 40 global batches, or what remains of them after
+    ``checkpoint_dir``'s latest checkpoint: the step it started from and the final weights."""
     workers = cluster.num_workers if cluster is not None else 1
     index = cluster.task_index if cluster is not None else 0
     chief = cluster is None or cluster.is_chief
@@ -92,25 +95,25 @@ def main() -> None:
     step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
 
     manager = scratch = None
-    if args.checkpoint_dir:
+    if checkpoint_dir:
         checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, step=step)
         # The tutorial's write_filepath: every worker saves (saving may run collectives), the
         # chief where the job resumes from, the others to a scratch folder deleted after.
-        directory = args.checkpoint_dir
+        directory = checkpoint_dir
         if not chief:
-            scratch = directory = os.path.join(args.checkpoint_dir, f"scratch-worker{index}")
+            scratch = directory = os.path.join(checkpoint_dir, f"scratch-worker{index}")
         manager = tf.train.CheckpointManager(checkpoint, directory, max_to_keep=2)
-        latest = tf.train.latest_checkpoint(args.checkpoint_dir)
+        latest = tf.train.latest_checkpoint(checkpoint_dir)
         if latest:
             checkpoint.restore(latest).assert_consumed()
     start = int(step.numpy())
 
-    if args.record:
+    if record:
         attempt = os.environ.get("TFSCALE_LAUNCH_ATTEMPT", "0")
         name = f"{os.environ.get('TFSCALE_LAUNCH_TASK', 'worker').replace(' ', '')}-{attempt}"
-        with open(os.path.join(args.record, name + ".json"), "w") as handle:
+        with open(os.path.join(record, name + ".json"), "w") as handle:
             json.dump({"workers": workers, "start_step": start}, handle)
-    doomed = bool(args.kill_after) and workers == 3 and index == 2
+    doomed = bool(kill_after) and workers == 3 and index == 2
 
     def train_step(xb: tf.Tensor, yb: tf.Tensor) -> tf.Tensor:
         with tf.GradientTape() as tape:
@@ -132,12 +135,28 @@ def main() -> None:
             manager.save(checkpoint_number=done)
             if scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)
-        if doomed and done >= args.kill_after:
+        if doomed and kill_after is not None and done >= kill_after:
             os.kill(os.getpid(), signal.SIGKILL)
     assert int(step.numpy()) == STEPS == int(optimizer.iterations.numpy()), step.numpy()
+    return start, [np.asarray(w) for w in model.get_weights()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--checkpoint-dir")
+    parser.add_argument("--kill-after", type=int)
+    parser.add_argument("--record")
+    args = parser.parse_args()
+    choice = tfscale.choose_strategy(strict=True)
+    cluster = choice.cluster
+    start, weights = train(
+        choice.strategy, cluster, args.checkpoint_dir, args.kill_after, args.record
+    )
+    workers = cluster.num_workers if cluster is not None else 1
     print(f"loop on {workers} workers from step {start}: done", flush=True)
-    if chief:
-        np.savez(args.out, *[np.asarray(w) for w in model.get_weights()])
+    if cluster is None or cluster.is_chief:
+        np.savez(args.out, *weights)
 
 
 if __name__ == "__main__":

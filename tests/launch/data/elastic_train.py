@@ -1,6 +1,6 @@
 """A worker of an elastic job: `tfscale launch -n 3 --min-workers 2` that loses worker 2.
 
-Usage: elastic_train.py --data {arrays,tfdata,dataset_fn}[,...] --out PREFIX
+Usage: elastic_train.py --data {arrays,tfdata,dataset_fn} --out PREFIX
                         [--checkpoint-dir DIR] [--kill-after UPDATE] [--record DIR]
 
 With --kill-after, the last worker of a 3-worker cluster SIGKILLs itself once
@@ -13,9 +13,10 @@ is the same global batches (48) whatever the number of workers:
 - dataset_fn: shuffled with a seed, sharded by example over the input pipelines and batched
   per replica, so the union of the workers' k-th batches is the k-th 48 examples however
   many workers there are.
-Each kind (several: one after the other, the uninterrupted reference) trains a fresh model
-and the chief saves its weights to PREFIX-KIND.npz. --record writes, per worker and
-attempt, the cluster size and the update it started from.
+The chief saves the trained model's weights to PREFIX-KIND.npz. --record writes, per worker
+and attempt, the cluster size and the update it started from. The test trains the
+uninterrupted reference in its own process (``train`` under MirroredStrategy over 3 logical
+CPUs: the same global batches).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import json
 import os
 import signal
+from collections.abc import Sequence
 from typing import Any
 
 import keras
@@ -111,6 +113,32 @@ class _Record(keras.callbacks.Callback):
             )
 
 
+def train(
+    strategy: tf.distribute.Strategy,
+    kind: str,
+    checkpoint_dir: str | None = None,
+    callbacks: Sequence[keras.callbacks.Callback] = (),
+) -> list[np.ndarray]:
+    """A fresh model trained by ``tfscale.fit`` on ``kind``'s data, resuming from
+    ``checkpoint_dir``'s checkpoint if it holds one: its final weights (the test runs it
+    under MirroredStrategy over 3 logical CPUs, the uninterrupted reference)."""
+    with strategy.scope():
+        model = build_model()
+    checkpoint = None
+    if checkpoint_dir:
+        checkpoint = tfscale.CheckpointConfig(checkpoint_dir, every_steps=4)
+    tfscale.fit(
+        model,
+        **inputs(kind),
+        epochs=EPOCHS,
+        checkpoint_dir=checkpoint,
+        callbacks=list(callbacks),
+        strategy=strategy,
+        verbose=0,
+    )
+    return [np.asarray(w) for w in model.get_weights()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--data", required=True)
@@ -130,24 +158,10 @@ def main() -> None:
         callbacks.append(_Record(os.path.join(args.record, name + ".json"), workers))
     if args.kill_after and workers == 3 and index == 2:
         callbacks.append(_KillAfter(args.kill_after))
-    for kind in args.data.split(","):
-        with choice.strategy.scope():
-            model = build_model()
-        checkpoint = None
-        if args.checkpoint_dir:
-            checkpoint = tfscale.CheckpointConfig(args.checkpoint_dir, every_steps=4)
-        tfscale.fit(
-            model,
-            **inputs(kind),
-            epochs=EPOCHS,
-            checkpoint_dir=checkpoint,
-            callbacks=callbacks,
-            strategy=choice.strategy,
-            verbose=0,
-        )
-        print(f"{kind} on {workers} workers: done", flush=True)
-        if cluster is None or cluster.is_chief:
-            np.savez(f"{args.out}-{kind}.npz", *[np.asarray(w) for w in model.get_weights()])
+    weights = train(choice.strategy, args.data, args.checkpoint_dir, callbacks)
+    print(f"{args.data} on {workers} workers: done", flush=True)
+    if cluster is None or cluster.is_chief:
+        np.savez(f"{args.out}-{args.data}.npz", *weights)
 
 
 if __name__ == "__main__":
