@@ -29,6 +29,9 @@ def test_from_dict_rejects_unknown_fields() -> None:
         Snapshot.from_dict(data)
 
 
+# take_snapshot imports TensorFlow in this process (it passed unmarked only where an earlier
+# test of the same process had imported it; alone, the import gate made its probe fail).
+@pytest.mark.tf
 @pytest.mark.multiprocess
 def test_real_snapshot_of_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
