@@ -1,4 +1,5 @@
-"""`tfscale doctor --script`: real child runs of small scripts, and the pure judgement."""
+"""`tfscale doctor --script`: real child runs of small scripts, and the pure judgement (the
+examples' runs: ``test_docs.py``)."""
 
 from __future__ import annotations
 
@@ -25,44 +26,9 @@ def _line_of(path: Path, text: str) -> int:
     return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)
 
 
-def test_script_building_model_outside_scope_is_reported_with_file_and_line(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    script = ROOT / "examples" / "train_outside_scope.py"
-    status = run_script([str(script.relative_to(ROOT))], timeout=150)
-    out = capsys.readouterr().out
-    assert status == 1, out
-    construct = _line_of(script, "return keras.Sequential(")
-    call = _line_of(script, "model = build_model()")
-    strategy_line = _line_of(script, "strategy = tf.distribute.MirroredStrategy()")
-    assert (
-        f"4 variables (4 trainable: sequential/dense/kernel, sequential/dense/bias, "
-        f"sequential/dense_1/kernel ...) were created outside the scope of MirroredStrategy "
-        f"(2 replicas, created at examples/train_outside_scope.py:{strategy_line}) at "
-        f"examples/train_outside_scope.py:{construct} in build_model, called from "
-        f"examples/train_outside_scope.py:{call}; they live on /device:CPU:0 only." in out
-    )
-    assert "The CPU was split into 2 logical devices" in out
-    assert "MirroredStrategy never ran a step" in out
-    assert "with strategy.scope():" in out and "tfscale.fix_scope(model, strategy)" in out
-    assert "OK:" not in out
-
-
-def test_script_building_model_inside_scope_passes_and_shows_replica_devices(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    status = run_script(["examples/train_in_scope.py"], json_output=True, timeout=150)
-    report = json.loads(capsys.readouterr().out)
-    assert status == 0, report
-    assert report["ok"] is True and report["problems"] == [] and report["crashed"] is False
-    assert report["devices_set_by_doctor"] is True and report["virtual_devices"] == "2"
-    (mirrored,) = report["strategies"]
-    assert mirrored["kind"] == "MirroredStrategy" and mirrored["replicas"] == 2
-    assert mirrored["replica_devices"] == ["/device:CPU:0", "/device:CPU:1"]
-    assert report["default_runs"] == []
-    model_group = report["variables"][0]
-    assert model_group["strategy"] == "MirroredStrategy" and model_group["count"] == 4
-    assert model_group["devices"] == ["/device:CPU:0", "/device:CPU:1"]
+# The examples' runs (a model built outside the scope named with file and line, the replica
+# devices of one built inside it, a repaired one) are checked on the documented commands that
+# run them: test_docs.py.
 
 
 def test_crashing_script_returns_its_status_and_stderr_tail(
