@@ -94,8 +94,15 @@ class _TensorFlowGate:
 
     refusing: str | None = None  # the node id of the running unmarked test
 
+    def __init__(self) -> None:
+        # What it refused since the test began: code that catches the ImportError (a probe
+        # that records its failure) would otherwise go on without TensorFlow and pass or fail
+        # by the order the tests ran in; the test fails in its teardown instead (_no_leftovers).
+        self.refused: list[str] = []
+
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
         if self.refusing and fullname.partition(".")[0] in ("tensorflow", "keras"):
+            self.refused.append(fullname)
             raise ImportError(
                 f"{self.refusing} imports {fullname}: mark it @pytest.mark.tf or "
                 "`pytestmark = pytest.mark.tf` (tests/README.md)"
@@ -135,7 +142,9 @@ def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     with _needs_are_marked(item):
-        yield
+        outcome = yield
+    if outcome.excinfo is not None and issubclass(outcome.excinfo[0], ImportError):
+        _GATE.refused.clear()  # the refusal failed the test itself, naming the marker
 
 
 @contextlib.contextmanager
@@ -186,10 +195,16 @@ def _releases_end() -> Iterator[None]:
 @pytest.fixture(autouse=True)
 def _no_leftovers() -> Iterator[None]:
     """Fails a test that leaves a child process or a Python thread behind (after collecting
-    the garbage it left)."""
+    the garbage it left), or that went on after its unmarked import of TensorFlow was
+    refused."""
     threads_before = set(threading.enumerate())
     children_before = child_pids()
+    _GATE.refused.clear()
     yield
+    assert not _GATE.refused, (
+        f"the test imported {_GATE.refused[0]} without the tf mark, and went on after the "
+        "refused import: mark it @pytest.mark.tf (tests/README.md)"
+    )
     if "tensorflow" in sys.modules:
         # The test's garbage is collected now, and what survives is frozen (never scanned
         # again). A tf.data iterator left in a reference cycle (a model's, an error's) is

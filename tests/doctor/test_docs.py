@@ -19,7 +19,9 @@ import pytest
 
 from tfscale.cli.main import main
 
-pytestmark = pytest.mark.multiprocess
+# The environment commands take the snapshot in this process (TensorFlow imported); the
+# script commands start their child.
+pytestmark = [pytest.mark.tf, pytest.mark.multiprocess]
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ("docs/doctor.md", "docs/scope.md")

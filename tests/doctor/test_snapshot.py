@@ -51,6 +51,7 @@ def test_real_snapshot_of_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [r for r in results if r.status == "fail"] == []
 
 
+@pytest.mark.tf  # take_snapshot imports TensorFlow here
 @pytest.mark.multiprocess
 def test_failing_probe_is_recorded_not_raised(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
