@@ -88,21 +88,22 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None
 
 
+# What the marker gates refused since the test began, as (marker, what): code that catches a
+# refusal (a probe that records its failure) would go on without TensorFlow or without its
+# child process, and pass or fail by which test ran before it in its process. The test fails
+# in its teardown instead (_no_leftovers).
+_REFUSED: list[tuple[str, str]] = []
+
+
 class _TensorFlowGate:
     """Refuses ``import tensorflow`` / ``import keras`` during a test not marked ``tf``
     (the import fails at once, naming the marker, instead of after a slow test)."""
 
     refusing: str | None = None  # the node id of the running unmarked test
 
-    def __init__(self) -> None:
-        # What it refused since the test began: code that catches the ImportError (a probe
-        # that records its failure) would otherwise go on without TensorFlow and pass or fail
-        # by the order the tests ran in; the test fails in its teardown instead (_no_leftovers).
-        self.refused: list[str] = []
-
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
         if self.refusing and fullname.partition(".")[0] in ("tensorflow", "keras"):
-            self.refused.append(fullname)
+            _REFUSED.append(("tf", f"its import of {fullname}"))
             raise ImportError(
                 f"{self.refusing} imports {fullname}: mark it @pytest.mark.tf or "
                 "`pytestmark = pytest.mark.tf` (tests/README.md)"
@@ -126,6 +127,7 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
 
 def _refuse_children(nodeid: str) -> Any:
     def refuse(*args: Any, **kwargs: Any) -> None:
+        _REFUSED.append(("multiprocess", "its child process"))
         raise AssertionError(
             f"{nodeid} starts a child process: mark it @pytest.mark.multiprocess (tests/README.md)"
         )
@@ -143,8 +145,8 @@ def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
 def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     with _needs_are_marked(item):
         outcome = yield
-    if outcome.excinfo is not None and issubclass(outcome.excinfo[0], ImportError):
-        _GATE.refused.clear()  # the refusal failed the test itself, naming the marker
+    if outcome.excinfo is not None:
+        _REFUSED.clear()  # the test failed (a refusal that reached it names the marker)
 
 
 @contextlib.contextmanager
@@ -195,16 +197,18 @@ def _releases_end() -> Iterator[None]:
 @pytest.fixture(autouse=True)
 def _no_leftovers() -> Iterator[None]:
     """Fails a test that leaves a child process or a Python thread behind (after collecting
-    the garbage it left), or that went on after its unmarked import of TensorFlow was
-    refused."""
+    the garbage it left), or that went on after a marker gate refused it TensorFlow or a child
+    process."""
     threads_before = set(threading.enumerate())
     children_before = child_pids()
-    _GATE.refused.clear()
+    _REFUSED.clear()
     yield
-    assert not _GATE.refused, (
-        f"the test imported {_GATE.refused[0]} without the tf mark, and went on after the "
-        "refused import: mark it @pytest.mark.tf (tests/README.md)"
-    )
+    if _REFUSED:
+        marker, what = _REFUSED[0]
+        pytest.fail(
+            f"the test went on after {what} was refused: mark it @pytest.mark.{marker} "
+            "(tests/README.md)"
+        )
     if "tensorflow" in sys.modules:
         # The test's garbage is collected now, and what survives is frozen (never scanned
         # again). A tf.data iterator left in a reference cycle (a model's, an error's) is
