@@ -226,3 +226,34 @@ def test_time_limit_stops_the_job_without_restart() -> None:
 def test_exit_status_and_description(code: int, status: int, words: str) -> None:
     assert exit_status(code) == status
     assert words in describe_exit(code)
+
+
+def test_a_taken_port_starts_the_job_again_without_counting_a_restart() -> None:
+    # Worker 1 finds its port taken (status 75) on attempts 0 and 1; attempt 2 trains. No
+    # restart is allowed, and none is used.
+    def script(attempt: int, rank: int) -> FakeProcess:
+        if attempt < 2 and rank == 1:
+            return FakeProcess(rank, 75, polls=1)
+        return FakeProcess(rank, 0 if attempt == 2 else None, polls=3)
+
+    cluster = FakeCluster(script)
+    log: list[str] = []
+    supervisor = _supervisor(cluster, log, retry_statuses=(75,), max_retries=2)
+    result = supervisor.run(cluster.make_tasks(2), max_restarts=0)
+    assert (result.exit_code, result.attempts) == (0, 3)
+    assert [f.returncode for f in result.failures] == [75, 75]
+    assert sum("not counted as a restart" in m for m in log) == 2
+    assert "(2 of 2)" in [m for m in log if "not counted" in m][-1]
+    assert not any("restarting the job" in m for m in log)
+
+
+def test_taken_ports_past_the_retries_count_as_failures() -> None:
+    # Three taken ports with 1 retry: the second is the job's failure, and with one restart
+    # the third ends it.
+    cluster = FakeCluster(lambda a, rank: FakeProcess(rank, 75 if rank == 0 else None, polls=1))
+    log: list[str] = []
+    supervisor = _supervisor(cluster, log, retry_statuses=(75,), max_retries=1)
+    result = supervisor.run(cluster.make_tasks(2), max_restarts=1)
+    assert (result.exit_code, result.attempts) == (75, 3)
+    assert sum("not counted as a restart" in m for m in log) == 1
+    assert sum("restarting the job (restart 1 of 1)" in m for m in log) == 1

@@ -15,7 +15,7 @@ from tfscale.launch.plan import LocalJob, plan_tasks
 from tfscale.launch.ports import check_ports, free_ports
 from tfscale.launch.process import spawn_process
 from tfscale.launch.supervisor import JobResult, Supervisor, Task, WorkerHandle
-from tfscale.launch.together import NOT_TOGETHER_STATUS
+from tfscale.launch.together import NOT_TOGETHER_STATUS, PORT_TAKEN_STATUS
 
 __all__ = ["log_path", "run_local_job"]
 
@@ -76,8 +76,16 @@ def run_local_job(
         with open(log_path(output_dir, task.label), "ab") as output:
             return spawn_process(task, log=output, grace_s=grace_s)
 
-    # A worker that would not train with the others (launch/worker.py) does the same again.
-    supervisor = Supervisor(spawn, grace_s=grace_s, log=log, final_statuses=(NOT_TOGETHER_STATUS,))
+    # A worker that would not train with the others (launch/worker.py) does the same again;
+    # one whose chosen port was taken meanwhile (ports.free_ports) is not the job's failure.
+    # With --port the ports are the user's: the next attempt checks them again (check_ports).
+    supervisor = Supervisor(
+        spawn,
+        grace_s=grace_s,
+        log=log,
+        final_statuses=(NOT_TOGETHER_STATUS,),
+        retry_statuses=(PORT_TAKEN_STATUS,) if port_base is None else (),
+    )
     return supervisor.run_elastic(
         make_tasks,
         slots=tuple(range(job.workers)),

@@ -14,8 +14,10 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """Returns ``count`` distinct ports that were free on ``host`` a moment ago.
 
     Every socket stays bound until all are chosen, so the kernel cannot hand out one port
-    twice. Another program may still take one before the worker binds it; the supervisor
-    then sees that worker fail and, with restarts left, picks new ports.
+    twice. Another program may still take one before the worker binds it (an outgoing
+    connection's ephemeral port: the job's own gRPC channels and every other job's open
+    them all the time); that worker then exits with ``together.PORT_TAKEN_STATUS`` and the
+    supervisor starts the job again on new ports without counting a restart.
     """
     with contextlib.ExitStack() as stack:
         ports = []

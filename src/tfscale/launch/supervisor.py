@@ -174,6 +174,10 @@ class Supervisor:
         clock: Seconds from a monotonic clock, for the job's time limit.
         final_statuses: Exit statuses after which a restart would only do the same again
             (a worker that would not train with the others): the job fails at once.
+        retry_statuses: Exit statuses of a failure that is not the job's (a port taken
+            between its choice and the worker's start): the job starts again on new ports
+            without counting a restart, up to ``max_retries`` times per job.
+        max_retries: How many such failures a job starts again after.
     """
 
     def __init__(
@@ -186,8 +190,12 @@ class Supervisor:
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
         final_statuses: Sequence[int] = (),
+        retry_statuses: Sequence[int] = (),
+        max_retries: int = 3,
     ) -> None:
         self._final = frozenset(final_statuses)
+        self._retry = frozenset(retry_statuses)
+        self._max_retries = max_retries
         self._spawn = spawn
         self._grace_s = grace_s
         self._poll_interval_s = poll_interval_s
@@ -267,7 +275,7 @@ class Supervisor:
         below: Drop | None = None
         left = tuple(slots)
         self._deadline = None if timeout_s is None else self._clock() + timeout_s
-        attempt = 0
+        attempt = retried = 0
         while True:
             tasks = list(make_tasks(attempt, left))
             failure = self._run_attempt(attempt, tasks)
@@ -276,6 +284,14 @@ class Supervisor:
             if failure is None:
                 return JobResult(0, attempt, tuple(failures), tuple(dropped), None, workers)
             failures.append(failure)
+            if failure.returncode in self._retry and retried < self._max_retries:
+                retried += 1
+                self._log(
+                    f"{failure.label} could not listen on the port chosen for it (another "
+                    "program took it since); starting the job again on new ports, not "
+                    f"counted as a restart ({retried} of {self._max_retries})"
+                )
+                continue
             at_size.append(failure)
             if failure.timed_out or failure.returncode in self._final:
                 break

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 __all__ = [
     "LABEL_ENV",
     "NOT_TOGETHER_STATUS",
+    "PORT_TAKEN_STATUS",
     "REPORT_ENV",
     "Verdict",
     "alone_reason",
@@ -32,6 +33,11 @@ LABEL_ENV = "TFSCALE_LAUNCH_TASK"
 #: The exit status of a worker that would not train with the others (sysexits' EX_CONFIG):
 #: the job is not restarted, the same script would do the same again.
 NOT_TOGETHER_STATUS = 78
+#: The exit status of a worker whose gRPC server could not listen on the port the launcher
+#: chose for it (sysexits' EX_TEMPFAIL): another program took the port between the choice and
+#: the worker's start (an outgoing connection's ephemeral port, most often). The launcher
+#: starts the job again on new ports without counting a restart.
+PORT_TAKEN_STATUS = 75
 
 _PARAMETER_SERVER = "ParameterServerStrategy"
 

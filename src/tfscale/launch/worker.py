@@ -26,6 +26,7 @@ from typing import Any
 from tfscale.launch.together import (
     LABEL_ENV,
     NOT_TOGETHER_STATUS,
+    PORT_TAKEN_STATUS,
     REPORT_ENV,
     Verdict,
     alone_reason,
@@ -123,6 +124,16 @@ class _Job:
         from tfscale.errors import StrategyError
 
         text = str(error)
+        if "Could not start gRPC server" in text:
+            # The port the launcher chose was free a moment before; another program has it
+            # now. Not the script's doing: the launcher starts the job again on new ports.
+            print(
+                f"tfscale launch: {self.label}: its gRPC server could not listen on the port "
+                "chosen for it (another program took it since)",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise SystemExit(PORT_TAKEN_STATUS)
         if isinstance(error, StrategyError):
             lines = text.strip().splitlines()
             fixes = [line[len("Fix: ") :] for line in lines if line.startswith("Fix: ")]
