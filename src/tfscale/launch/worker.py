@@ -12,7 +12,10 @@ as ``python SCRIPT ARGS`` would (``script_runner.run_as_main``), made strict
   :class:`~tfscale.launch.together.Verdict` for the launcher (the hooks go in when the script
   imports TensorFlow: a script that never does is not judged);
 - Keras's ``model.fit`` failing under MultiWorkerMirroredStrategy ("Attempt to convert a
-  value (PerReplica...)", keras-team/keras#20585) is answered with the one-line fix.
+  value (PerReplica...)", keras-team/keras#20585) is answered with the one-line fix;
+- a gRPC server that cannot listen on the port TF_CONFIG gives the worker (taken since the
+  launcher chose it) ends the worker with exit status 75, which the launcher answers by
+  starting the job again on new ports (``together.PORT_TAKEN_STATUS``).
 """
 
 from __future__ import annotations
