@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -106,3 +107,24 @@ def test_a_tensorflow_task_runs_under_the_worker_device(cpu_devices: list[str]) 
     for (value, device, tensor_device, visible), x in zip(results, (1.0, 2.5), strict=True):
         assert value == 2.0 * x and device == cpu_devices[3] and visible == "-1"
         assert tensor_device.endswith("device:CPU:0")  # the worker's only CPU device
+
+
+def test_a_tasks_timeout_does_not_count_its_workers_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpu_devices: list[str]
+) -> None:
+    """Every worker takes 2 s to start (a sitecustomize on its path sleeps), longer than the
+    pool's 1-s timeout: its tasks still run, the first one and the one after a crash, whose
+    worker starts again (that start once made a task queued behind a crash time out under
+    load). A task that itself runs past the timeout still times out."""
+    (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(2.0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the workers' PYTHONPATH is this sys.path
+    with TaskPool(cpu_devices[:1], backend="process", timeout=1.0) as pool:
+        assert pool.submit(_where, 3).result(60)[0] == 9
+        crashed = pool.submit(_exit_hard)
+        after = pool.submit(_where, 4)
+        hanging = pool.submit(time.sleep, 60)
+        with pytest.raises(TaskError, match="exited with code 3"):
+            crashed.result(60)
+        assert after.result(60)[0] == 16
+        with pytest.raises(TaskError, match="timed out after 1 s"):
+            hanging.result(60)

@@ -21,7 +21,11 @@ import cloudpickle
 from tfscale.processes.channel import Channel
 from tfscale.tasks.context import running_on
 
-__all__: list[str] = []
+__all__ = ["READY"]
+
+#: The first message a worker sends, once it can run a call: the pool's task clock starts
+#: after it, so a task's timeout does not count the interpreter's start-up.
+READY = b"ready"
 
 
 def _execute(message: bytes, device: str, local: str) -> bytes:
@@ -58,6 +62,7 @@ def main(argv: list[str]) -> int:
     channel = Channel.from_fds(int(argv[0]), int(argv[1]))
     device = os.environ.get("TFSCALE_TASK_DEVICE", "")
     local = os.environ.get("TFSCALE_TASK_LOCAL_DEVICE", "/device:CPU:0")
+    channel.send(READY)
     while True:
         try:
             message = channel.receive()

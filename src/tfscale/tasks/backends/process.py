@@ -22,6 +22,7 @@ from typing import Any
 import cloudpickle
 
 from tfscale.processes import Channel, start
+from tfscale.tasks.backends._child import READY
 from tfscale.tasks.backends.base import (
     Backend,
     Call,
@@ -35,6 +36,9 @@ from tfscale.tasks.placement import child_environment, local_device, resolve_dev
 __all__ = ["ProcessBackend"]
 
 _CLOSE_WAIT_S = 5.0
+# How long a worker may take to start (an interpreter and cloudpickle, on a loaded machine)
+# before its task fails; the task's own timeout starts after it.
+_START_WAIT_S = 120.0
 
 
 class _Worker:
@@ -48,6 +52,7 @@ class _Worker:
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         self.channel, ends = Channel.pair()
+        self.ready = False  # it has sent READY
         try:
             argv = [sys.executable, "-m", "tfscale.tasks.backends._child", *map(str, ends.fds)]
             self.child = start(argv, env=env, pass_fds=ends.fds, grace_s=_CLOSE_WAIT_S)
@@ -95,6 +100,19 @@ class _ProcessRunner(Runner):
         worker = self._worker
         message = cloudpickle.dumps((call.fn, call.args, call.kwargs))
         try:
+            if not worker.ready:
+                # A worker started after its predecessor died, under load, can take seconds
+                # to start: that is not the task's time (its timeout starts below).
+                if not worker.channel.poll(_START_WAIT_S):
+                    worker.kill()
+                    self._worker = None
+                    raise WorkerLostError(
+                        f"its worker process (pid {worker.child.pid}) did not start within "
+                        f"{_START_WAIT_S:g} s"
+                    )
+                if worker.channel.receive() != READY:
+                    raise OSError("the worker's first message was not READY")
+                worker.ready = True
             worker.channel.send(message)
             if not worker.channel.poll(timeout):
                 worker.kill()
