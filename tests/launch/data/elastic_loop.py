@@ -26,10 +26,10 @@ pipeline, the same global batches).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -39,16 +39,12 @@ import tensorflow as tf
 
 import tfscale
 
-EXAMPLES, FEATURES, CLASSES, BATCH, EPOCHS = 480, 8, 3, 48, 4
+# The same examples, sizes and records as the Keras-fit worker next to it.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from elastic_train import BATCH, CLASSES, EPOCHS, EXAMPLES, FEATURES, arguments, examples, record
+
 STEPS = EPOCHS * EXAMPLES // BATCH  # 40 global batches, 10 per epoch
 SAVE_EVERY = 4
-
-
-def make_data() -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(5)
-    x = rng.normal(size=(EXAMPLES, FEATURES)).astype("float32")
-    y = np.argmax(x @ rng.normal(size=(FEATURES, CLASSES)), axis=1).astype("int32")
-    return x, y
 
 
 def make_dataset(start: int) -> Callable[[tf.distribute.InputContext], tf.data.Dataset]:
@@ -57,10 +53,7 @@ def make_dataset(start: int) -> Callable[[tf.distribute.InputContext], tf.data.D
     def input_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
         # One fixed order for every epoch and every process (reshuffle_each_iteration=False);
         # shuffle before sharding, shard by example before batching per replica.
-        examples = tf.data.Dataset.from_tensor_slices(make_data()).shuffle(
-            EXAMPLES, seed=3, reshuffle_each_iteration=False
-        )
-        shard = examples.shard(context.num_input_pipelines, context.input_pipeline_id)
+        shard = examples().shard(context.num_input_pipelines, context.input_pipeline_id)
         batches = shard.batch(context.get_per_replica_batch_size(BATCH), drop_remainder=True)
         return batches.repeat(EPOCHS).skip(start)
 
@@ -72,7 +65,7 @@ def train(
     cluster: Any = None,
     checkpoint_dir: str | None = None,
     kill_after: int | None = None,
-    record: str | None = None,
+    record_to: str | None = None,
 ) -> tuple[int, list[np.ndarray]]:
     """The loop over all 40 global batches, or what remains of them after
     ``checkpoint_dir``'s latest checkpoint: the step it started from and the final weights."""
@@ -108,11 +101,8 @@ def train(
             checkpoint.restore(latest).assert_consumed()
     start = int(step.numpy())
 
-    if record:
-        attempt = os.environ.get("TFSCALE_LAUNCH_ATTEMPT", "0")
-        name = f"{os.environ.get('TFSCALE_LAUNCH_TASK', 'worker').replace(' ', '')}-{attempt}"
-        with open(os.path.join(record, name + ".json"), "w") as handle:
-            json.dump({"workers": workers, "start_step": start}, handle)
+    if record_to:
+        record(record_to, workers, start)
     doomed = bool(kill_after) and workers == 3 and index == 2
 
     def train_step(xb: tf.Tensor, yb: tf.Tensor) -> tf.Tensor:
@@ -142,12 +132,7 @@ def train(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--checkpoint-dir")
-    parser.add_argument("--kill-after", type=int)
-    parser.add_argument("--record")
-    args = parser.parse_args()
+    args = arguments(argparse.ArgumentParser())
     choice = tfscale.choose_strategy(strict=True)
     cluster = choice.cluster
     start, weights = train(

@@ -60,7 +60,7 @@ def build_model() -> keras.Model:
     return model
 
 
-def _examples() -> tf.data.Dataset:
+def examples() -> tf.data.Dataset:
     # One fixed order for every epoch (reshuffle_each_iteration=False): a pipeline reshuffled
     # on each iteration starts its sequence of orders again in a resumed process.
     return tf.data.Dataset.from_tensor_slices(make_data()).shuffle(
@@ -69,7 +69,7 @@ def _examples() -> tf.data.Dataset:
 
 
 def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
-    shard = _examples().shard(context.num_input_pipelines, context.input_pipeline_id)
+    shard = examples().shard(context.num_input_pipelines, context.input_pipeline_id)
     return shard.batch(context.get_per_replica_batch_size(BATCH))
 
 
@@ -79,7 +79,7 @@ def inputs(kind: str) -> dict[str, Any]:
         x, y = make_data()
         return {"x": x, "y": y, "batch_size": BATCH}
     if kind == "tfdata":
-        return {"x": _examples().batch(BATCH)}
+        return {"x": examples().batch(BATCH)}
     if kind == "dataset_fn":
         return {"x": dataset_fn}
     raise SystemExit(f"unknown --data {kind}")
@@ -97,20 +97,21 @@ class _KillAfter(keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def record(folder: str, workers: int, start_step: int) -> None:
+    """Writes FOLDER/worker<N>-<attempt>.json: the cluster size and the update it starts from."""
+    attempt = os.environ.get("TFSCALE_LAUNCH_ATTEMPT", "0")
+    name = f"{os.environ.get('TFSCALE_LAUNCH_TASK', 'worker').replace(' ', '')}-{attempt}"
+    with open(os.path.join(folder, name + ".json"), "w") as handle:
+        json.dump({"workers": workers, "start_step": start_step}, handle)
+
+
 class _Record(keras.callbacks.Callback):
-    def __init__(self, path: str, workers: int) -> None:
+    def __init__(self, folder: str, workers: int) -> None:
         super().__init__()
-        self._path, self._workers = path, workers
+        self._folder, self._workers = folder, workers
 
     def on_train_begin(self, logs: Any = None) -> None:
-        with open(self._path, "w") as handle:
-            json.dump(
-                {
-                    "workers": self._workers,
-                    "start_step": int(self.model.optimizer.iterations.numpy()),
-                },
-                handle,
-            )
+        record(self._folder, self._workers, int(self.model.optimizer.iterations.numpy()))
 
 
 def train(
@@ -139,23 +140,26 @@ def train(
     return [np.asarray(w) for w in model.get_weights()]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--data", required=True)
+def arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The options both elastic scripts take, after ``parser``'s own."""
     parser.add_argument("--out", required=True)
     parser.add_argument("--checkpoint-dir")
     parser.add_argument("--kill-after", type=int)
     parser.add_argument("--record")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--data", required=True)
+    args = arguments(parser)
     choice = tfscale.choose_strategy(strict=True)
     cluster = choice.cluster
     workers = cluster.num_workers if cluster is not None else 1
     index = cluster.task_index if cluster is not None else 0
     callbacks: list[Any] = []
     if args.record:
-        attempt = os.environ.get("TFSCALE_LAUNCH_ATTEMPT", "0")
-        name = f"{os.environ.get('TFSCALE_LAUNCH_TASK', 'worker').replace(' ', '')}-{attempt}"
-        callbacks.append(_Record(os.path.join(args.record, name + ".json"), workers))
+        callbacks.append(_Record(args.record, workers))
     if args.kill_after and workers == 3 and index == 2:
         callbacks.append(_KillAfter(args.kill_after))
     weights = train(choice.strategy, args.data, args.checkpoint_dir, callbacks)
