@@ -45,6 +45,12 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 os.environ.pop("TF_CONFIG", None)
 os.environ.pop("TFSCALE_VIRTUAL_DEVICES", None)
 
+# numpy < 2 runs `lscpu` when numpy.testing is first imported (its SVE check, numpy
+# gh-22982, `_SUPPORTS_SVE = check_support_sve()` at module level; numpy 2 calls it lazily):
+# numpy's child process, not the test's. Imported here, before any test, so that the lowest
+# versions' numpy (1.26, make test-lowest) does not fail whichever unmarked test first
+# touches np.testing, as it did in a fresh lowest virtualenv.
+import numpy.testing  # noqa: F401
 import pytest
 
 from tfscale import tf_import
