@@ -82,10 +82,9 @@ def _shows_the_replica_devices(out: str) -> None:
 
 
 def _names_the_repair(out: str) -> None:
-    # The tables wrap their cells at the console's 80 columns (the site that repaired them
-    # ends in "…" there; --json has it whole): the verdict's words, and the repair's name.
+    # The verdict's words, and the repair's name (its site is folded in the table, not cut).
     assert "moved into it before training (8 moved)" in " ".join(out.split()), out
-    assert "tfscale.fix_scope" in out and "Problem" not in out
+    assert "tfscale.fix_scope" in out and "…" not in out and "Problem" not in out
 
 
 # What the run of a documented command must show besides its status.

@@ -3,12 +3,14 @@ examples' runs: ``test_docs.py``)."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
-from tfscale.doctor.script import exit_status, run_script, summarize
+from tfscale.doctor.script import exit_status, render, run_script, summarize
 from tfscale.errors import TfscaleError
 
 pytestmark = pytest.mark.multiprocess
@@ -131,6 +133,24 @@ def test_a_repair_covers_the_variables_created_before_it_only() -> None:
     assert fixed.repaired_by == "tfscale.fix_scope at train.py:12" and late.repaired_by is None
     (problem,) = findings.problems
     assert "at train.py:20;" in problem and exit_status(findings) == 1
+
+
+def test_the_tables_fold_long_sites_instead_of_cutting_them() -> None:
+    """A site is one long word: an 80-column table folds it over lines (it cut it to
+    "examples/train_fi…", the repair's line lost)."""
+    site = "examples/a_folder_with_a_long_name/train_fixed_scope_long_name.py:12"
+    made = {**_variable(f"{site} in <module>", None), "id": 11}
+    repaired = {"kind": "repaired", "ids": [11], "how": "tfscale.fix_scope", "stack": [site]}
+    findings = summarize([_MIRRORED, made, repaired], script="train.py", exit_status=0)
+    buffer = io.StringIO()
+    render(findings, Console(file=buffer, width=80, no_color=True))
+    out = buffer.getvalue()
+    assert "…" not in out, out
+    # The variables table's "strategy scope" cells, read down the column, hold the whole site.
+    table = out[out.index("Variables by creation site") :].splitlines()
+    rows = [line.split("│") for line in table if line.count("│") == 5]
+    scope = "".join(row[3].strip() for row in rows)
+    assert f"outside,thenmovedin:tfscale.fix_scopeat{site}" in scope.replace(" ", ""), out
 
 
 def test_model_fit_over_a_pydataset_under_mirrored_is_reported_unless_prepared(

@@ -25,6 +25,7 @@ from typing import Any, TextIO
 from rich.console import Console
 from rich.table import Table
 
+from tfscale.doctor.report import make_console
 from tfscale.internals import DEFAULT_STRATEGY_CLASS
 from tfscale.script_runner import check_script, run_in_child
 
@@ -397,7 +398,7 @@ def _strategy_table(findings: ScriptFindings) -> Table:
     table.add_column("strategy")
     table.add_column("created at", overflow="fold")
     table.add_column("replicas", justify="right")
-    table.add_column("replica: device it ran on")
+    table.add_column("replica: device it ran on", overflow="fold")
     for s in findings.strategies:
         ran = (
             ", ".join(f"{i}: {d or '(no device scope)'}" for i, d in enumerate(s.replica_devices))
@@ -420,8 +421,10 @@ def _variable_table(findings: ScriptFindings) -> Table:
     table = Table(title="Variables by creation site", title_justify="left")
     table.add_column("created at", overflow="fold")
     table.add_column("variables", justify="right")
-    table.add_column("strategy scope")
-    table.add_column("devices")
+    # Sites and device names are single long words: folded, never cut to "…" (the repair's
+    # site is the line a user looks for).
+    table.add_column("strategy scope", overflow="fold")
+    table.add_column("devices", overflow="fold")
     multi = any(s.replicas > 1 for s in findings.strategies)
     for g in findings.variables:
         if g.strategy is None and g.repaired_by:
@@ -571,5 +574,5 @@ def run_script(
         payload = {**asdict(findings), "crashed": findings.crashed, "ok": ok}
         print(json.dumps(payload, indent=2))
     else:
-        render(findings, Console())
+        render(findings, make_console())
     return exit_status(findings)
