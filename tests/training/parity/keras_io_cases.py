@@ -339,6 +339,68 @@ def _ticket_data() -> dict[str, Any]:
     }
 
 
+# -- structured data -------------------------------------------------------------------------------
+# examples/structured_data/structured_data_classification_from_scratch.py: numeric columns
+# through Normalization layers adapted on the training data, integer and string categories
+# through IntegerLookup / StringLookup (lookup tables) adapted on it, a dict of inputs with a
+# string one, and a Layer that concatenates them. The model is built outside any scope, as
+# there; its Dropout(0.5) is left out (each replica draws its own mask: README).
+_RNG = np.random.default_rng(51)
+NUMERIC = {name: _RNG.normal(50, 10, (64, 1)).astype("float32") for name in ("age", "chol")}
+CATEGORIES = {
+    "cp": _RNG.integers(0, 5, (64, 1)).astype("int64"),
+    "thal": _RNG.choice(np.array(["fixed", "normal", "reversible"]), (64, 1)),
+}
+HEART = (NUMERIC["age"][:, 0] + 3 * CATEGORIES["cp"][:, 0] > 55).astype("float32")
+
+
+class _Classifier(keras.layers.Layer):  # type: ignore[misc]
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.dense_1 = keras.layers.Dense(8, activation="relu")
+        self.dense_2 = keras.layers.Dense(1, activation="sigmoid")
+
+    def call(self, inputs: dict[str, Any]) -> Any:
+        return self.dense_2(self.dense_1(keras.layers.concatenate(list(inputs.values()))))
+
+    def build(self, input_shape: Any) -> None:
+        self.built = True
+
+
+def _structured() -> Any:
+    keras.utils.set_random_seed(SEED)
+    inputs, encoded = {}, {}
+    for name, column in NUMERIC.items():
+        inputs[name] = keras.Input((1,), name=name, dtype="float32")
+        normalize = keras.layers.Normalization()
+        normalize.adapt(column)
+        encoded[name] = normalize(inputs[name])
+    for name, column in CATEGORIES.items():
+        string = column.dtype.kind == "U"
+        inputs[name] = keras.Input((1,), name=name, dtype="string" if string else "int64")
+        lookup = (keras.layers.StringLookup if string else keras.layers.IntegerLookup)(
+            output_mode="one_hot"
+        )
+        lookup.adapt(column)
+        encoded[name] = lookup(inputs[name])
+    model = keras.Model(inputs, _Classifier()(encoded))
+    return compiled(
+        model,
+        optimizer=keras.optimizers.Adam(0.01),
+        loss="binary_crossentropy",
+        metrics=["accuracy"],
+    )
+
+
+def _heart_data() -> dict[str, Any]:
+    rows = {**NUMERIC, **CATEGORIES}
+    return {
+        "x": dataset(rows, HEART, 16),
+        "epochs": 2,
+        "validation_data": dataset(rows, HEART, 16),
+    }
+
+
 # -- inputs --------------------------------------------------------------------------------------
 class Batches(keras.utils.PyDataset):  # type: ignore[misc]
     """keras-io: a ``keras.utils.PyDataset`` of in-order batches."""
@@ -625,6 +687,13 @@ CASES = [
         _tickets,
         _ticket_data,
         reference_build=with_dense_gradients(_tickets),  # token ids repeat: see "text" above
+    ),
+    Case(
+        "structured_data_preprocessing_layers",
+        f"{IO} examples/structured_data/structured_data_classification_from_scratch.py "
+        "(Normalization, IntegerLookup and StringLookup adapted, dict inputs)",
+        _structured,
+        _heart_data,
     ),
     Case(
         "sample_weight",
