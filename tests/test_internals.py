@@ -204,6 +204,18 @@ def test_flatten_layers() -> None:
     assert "hidden" in names and "out" in names and model.name not in names
 
 
+def test_seed_generators() -> None:
+    dropout = keras.layers.Dropout(0.5)
+    _require(dropout, "_seed_generators", "seed_generators", "training.randomness")
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dropout(0.1)(dropout(inputs)))
+    model.own = keras.random.SeedGenerator(3)  # a GAN's, on the model itself
+    found = internals.seed_generators(model)
+    assert len(found) == 3 and any(g is model.own for g in found)
+    assert all(isinstance(g, keras.random.SeedGenerator) for g in found)
+    assert any(g is dropout.seed_generator for g in found)
+
+
 def test_uses_default_step() -> None:
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
@@ -496,11 +508,33 @@ _OVERRIDES_TESTED = {
     "call": "test_layer_call_runs_the_instance_call",
     "get_metrics_result": "test_fit_reads_epoch_logs_through_the_instance_get_metrics_result",
     "build": "test_the_first_call_of_an_unbuilt_model_runs_the_instance_build",
+    "next": "test_random_ops_draw_through_the_instance_seed_generator_next",
     # tfscale's own state, which no Keras code reads: only the __dict__ write is assumed.
     "_tfscale": "test_override_and_restore_replace_a_method_on_one_instance",
     "_tfscale_update": "test_override_and_restore_replace_a_method_on_one_instance",
     "_tfscale_loop": "test_override_and_restore_replace_a_method_on_one_instance",
 }
+
+
+def test_random_ops_draw_through_the_instance_seed_generator_next() -> None:
+    """training.randomness folds the replica id into what a generator's ``next`` returns:
+    Keras's random ops (Dropout's included) must take their seed from the instance's."""
+    dropout = keras.layers.Dropout(0.5, seed=1)
+    generator = dropout.seed_generator
+    calls = []
+    keras_next = generator.next
+
+    def next(ordered: bool = True) -> Any:
+        calls.append(ordered)
+        return keras_next(ordered)
+
+    internals.override(generator, "next", next)
+    try:
+        dropout(tf.ones((2, 4)), training=True)
+        keras.random.normal((2,), seed=generator)
+    finally:
+        internals.restore(generator, "next")
+    assert len(calls) == 2
 
 
 def _compiled_functional(**compile_kw: Any) -> keras.Model:

@@ -53,6 +53,7 @@ __all__ = [
     "reduce_per_replica",
     "reinitialize_variable",
     "replica_count_scaling_off",
+    "seed_generators",
     "set_initial_epoch",
     "set_model_strategy",
     "set_optimizer_strategy",
@@ -164,6 +165,19 @@ def set_initial_epoch(model: Any, epoch: int | None) -> None:
 def flatten_layers(model: Any, include_self: bool = True) -> list[Any]:
     """``Layer._flatten_layers``: every layer nested in ``model``, recursively."""
     return list(model._flatten_layers(include_self=include_self, recursive=True))
+
+
+def seed_generators(model: Any) -> list[Any]:
+    """``Layer._seed_generators``: every ``keras.random.SeedGenerator`` the model's layers (and
+    the model itself) track, each once.
+
+    Keras has no public list of them; the random ops of a step draw their seeds from these.
+    """
+    found: dict[int, Any] = {}
+    for layer in flatten_layers(model):
+        for generator in getattr(layer, "_seed_generators", ()):
+            found.setdefault(id(generator), generator)
+    return list(found.values())
 
 
 def uses_default_step(model: Any, name: str) -> bool:

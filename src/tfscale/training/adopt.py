@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from tfscale import internals
 from tfscale.errors import TrainingError, explain
+from tfscale.training.randomness import draw_per_replica
 
 __all__ = ["adopt", "all_variables", "model_optimizers", "outside_variables"]
 
@@ -95,7 +96,8 @@ def _reinitialize(variable: Any, value: Any) -> None:
 
 
 def adopt(model: Any, strategy: tf.distribute.Strategy) -> int:
-    """Makes ``strategy`` hold every variable of ``model``, keeping values and objects.
+    """Makes ``strategy`` hold every variable of ``model``, keeping values and objects, and
+    the model's random ops draw per replica (``randomness.py``).
 
     Returns:
         How many variables were moved.
@@ -127,6 +129,7 @@ def adopt(model: Any, strategy: tf.distribute.Strategy) -> int:
                 _reinitialize(variable, value)
         notify_repaired(before, "tfscale.prepare")
     internals.set_model_strategy(model, strategy)
+    draw_per_replica(model)
     for optimizer in model_optimizers(model):
         internals.set_optimizer_strategy(optimizer, strategy)
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
