@@ -125,3 +125,33 @@ def test_a_batched_dataset_with_batch_size_is_batched_once_as_keras_does() -> No
     theirs.fit(dataset, batch_size=16, verbose=0)
     assert int(ours.optimizer.iterations.numpy()) == 4 == int(theirs.optimizer.iterations.numpy())
     assert relative_difference(ours.get_weights(), theirs.get_weights()) <= 1e-5
+
+
+class _Wrapper(keras.Model):
+    """A model without ``call`` whose ``train_step`` drives a sub-model (keras-io's GAN)."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def train_step(self, data: Any) -> Any:
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self.inner(x) - y))
+        grads = tape.gradient(loss, self.inner.trainable_weights)
+        self.optimizer.apply_gradients(zip(grads, self.inner.trainable_weights, strict=True))
+        return {"loss": loss}
+
+
+def test_a_model_without_call_is_refused_while_a_sub_model_is_unbuilt() -> None:
+    unbuilt = keras.Sequential([keras.layers.Dense(1, name="head")], name="no_input")
+    model = _Wrapper(unbuilt)
+    model.compile(keras.optimizers.Adam(0.01))
+    with pytest.raises(tfscale.TrainingError, match="has no call") as info:
+        tfscale.fit(model, X, Y, batch_size=16, strategy=strategy_for(2), verbose=0)
+    assert "no_input" in str(info.value) and "keras.Input(shape)" in str(info.value)
+    # Built, the same model trains: the first step builds its optimizer.
+    unbuilt.build((None, 6))
+    history = tfscale.fit(model, X, Y, batch_size=16, strategy=strategy_for(2), verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert int(model.optimizer.iterations.numpy()) == 4

@@ -306,6 +306,31 @@ class Prepared:
             or (model.optimizer is not None and not model.optimizer.built)
             or any(not getattr(m, "built", True) for m in model.metrics)
         )
+        if unbuilt and type(model).call is keras.Model.call:
+            # keras-io's GAN and VAE: a model that only overrides train_step has no call to
+            # build it from. Keras's own fit under a strategy fails here ("Unable to
+            # automatically build the model"); on one device it builds nothing ahead and the
+            # first step creates what it needs. So does this one: its optimizers are built
+            # at their first apply (optimizer.py), its sub-models must be built already.
+            unbuilt_layers = [
+                layer.name
+                for layer in internals.flatten_layers(model, include_self=False)
+                if not layer.built
+            ]
+            if unbuilt_layers:
+                raise TrainingError(
+                    explain(
+                        f"Model {model.name!r} has no call() (its train_step drives its "
+                        "sub-models), so tfscale cannot build it from the data, and these "
+                        "layers are not built yet.",
+                        received=unbuilt_layers[:5],
+                        fix="build its sub-models before fit: give each an Input "
+                        "(keras.Sequential([keras.Input(shape), ...])) or call "
+                        "sub_model.build(input_shape).",
+                    )
+                )
+            self.ready()
+            return
         if unbuilt:
             if data_batch is None and iterator is not None:
                 data_batch = self._spec_of(iterator)

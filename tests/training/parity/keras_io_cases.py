@@ -245,6 +245,67 @@ def _vae() -> Any:
     return model
 
 
+class GAN(keras.Model):
+    """keras-io ``examples/generative/dcgan_overriding_train_step.py``: no ``call``, two
+    optimizers set by its own ``compile``, a ``train_step`` with two tapes and two updates.
+    Its latent vectors come with the data here (seeded, the same per example on any number of
+    replicas) instead of ``keras.random.normal``, and its labels carry no noise, so that one
+    device's run is the exact reference."""
+
+    def __init__(self, discriminator: Any, generator: Any) -> None:
+        super().__init__()
+        self.discriminator, self.generator = discriminator, generator
+
+    def compile(self, d_optimizer: Any, g_optimizer: Any, loss_fn: Any) -> None:  # type: ignore[override]
+        super().compile()
+        self.d_optimizer, self.g_optimizer, self.loss_fn = d_optimizer, g_optimizer, loss_fn
+
+    def train_step(self, data: Any) -> Any:
+        real, latent, more_latent = data
+        batch = tf.shape(real)[0]
+        combined = tf.concat([self.generator(latent), real], axis=0)
+        labels = tf.concat([tf.ones((batch, 1)), tf.zeros((batch, 1))], axis=0)
+        with tf.GradientTape() as tape:
+            d_loss = self.loss_fn(labels, self.discriminator(combined))
+        grads = tape.gradient(d_loss, self.discriminator.trainable_weights)
+        self.d_optimizer.apply_gradients(
+            zip(grads, self.discriminator.trainable_weights, strict=True)
+        )
+        with tf.GradientTape() as tape:
+            fake = self.discriminator(self.generator(more_latent))
+            g_loss = self.loss_fn(tf.zeros((batch, 1)), fake)
+        grads = tape.gradient(g_loss, self.generator.trainable_weights)
+        self.g_optimizer.apply_gradients(zip(grads, self.generator.trainable_weights, strict=True))
+        return {"d_loss": d_loss, "g_loss": g_loss}
+
+
+REAL = np.random.default_rng(61).normal(size=(64, 6)).astype("float32")
+LATENTS = [np.random.default_rng(seed).normal(size=(64, 4)).astype("float32") for seed in (62, 63)]
+
+
+def _gan() -> Any:
+    keras.utils.set_random_seed(SEED)
+    discriminator = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)]
+    )
+    generator = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(6)]
+    )
+    gan = GAN(discriminator, generator)
+    gan.compile(
+        d_optimizer=keras.optimizers.Adam(3e-3),
+        g_optimizer=keras.optimizers.Adam(3e-3),
+        loss_fn=keras.losses.BinaryCrossentropy(from_logits=True),
+    )
+    return gan
+
+
+def _both_optimizers_stepped(expected: Run, got: Run) -> None:
+    for name in ("d_optimizer", "g_optimizer"):
+        counts = [int(getattr(run.model, name).iterations.numpy()) for run in (expected, got)]
+        assert counts == [8, 8], (name, counts)
+
+
 class LogisticEndpoint(keras.layers.Layer):
     """keras-io functional API guide's endpoint layer: add_loss and a metric inside a layer."""
 
@@ -687,6 +748,13 @@ CASES = [
         _tickets,
         _ticket_data,
         reference_build=with_dense_gradients(_tickets),  # token ids repeat: see "text" above
+    ),
+    Case(
+        "gan_two_optimizers_no_call",
+        f"{IO} examples/generative/dcgan_overriding_train_step.py (no call, two optimizers)",
+        _gan,
+        lambda: {"x": dataset(REAL, LATENTS[0], 16, LATENTS[1]), "epochs": 2},
+        checks=_exact(_both_optimizers_stepped),
     ),
     Case(
         "structured_data_preprocessing_layers",
