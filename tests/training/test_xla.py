@@ -219,3 +219,45 @@ def test_what_the_trial_cannot_see_is_refused_at_the_first_step_before_any_updat
         tfscale.fit(model, data, strategy=strategy, jit_compile=True, verbose=0)
     assert relative_difference(model.get_weights(), before) == 0.0
     assert int(model.optimizer.iterations.numpy()) == 0
+
+
+class _NoCall(keras.Model):
+    """keras-io's VAE and GAN shape: no ``call``; the ``train_step`` drives a sub-model."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def train_step(self, data: Any) -> Any:
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self.inner(x) - y))
+        grads = tape.gradient(loss, self.inner.trainable_weights)
+        self.optimizer.apply_gradients(zip(grads, self.inner.trainable_weights, strict=True))
+        return {"loss": loss}
+
+
+@pytest.mark.parametrize("replicas", [0, 2])
+def test_a_model_without_call_is_compiled_at_its_first_step(replicas: int) -> None:
+    """The trial lowers ``model(x)``, which a model without ``call`` cannot run (it raised
+    Keras's NotImplementedError): such a model's step is compiled and checked at the first
+    step, and trains to the weights of the same fit without XLA."""
+    x = np.random.default_rng(3).normal(size=(32, 4)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    weights = []
+    for jit in (False, True):
+        keras.utils.set_random_seed(5)
+        model = _NoCall(keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]))
+        model.compile(optimizer=keras.optimizers.SGD(0.05))
+        tfscale.fit(
+            model,
+            x,
+            y,
+            batch_size=8,
+            epochs=2,
+            strategy=strategy_for(replicas),
+            jit_compile=jit,
+            verbose=0,
+        )
+        weights.append(model.get_weights())
+    assert relative_difference(weights[1], weights[0]) <= 1e-5
