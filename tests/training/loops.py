@@ -19,6 +19,15 @@ Transcribed, shapes kept and sizes shrunk so that they run in seconds on CPUs:
   not built, a per-example loss vector handed to ``tape.gradient``, ``@tf.function``
   around ``strategy.run``.
 - ``convention_loop``: one small loop whose loss is written in a given convention.
+- ``dcgan_loop``: TensorFlow's "Deep Convolutional Generative Adversarial Network"
+  (tensorflow/docs, site/en/tutorials/generative/dcgan.ipynb): a generator and a
+  discriminator, two Adam optimizers, a ``BinaryCrossentropy(from_logits=True)`` object whose
+  means make ``generator_loss`` and ``discriminator_loss`` (a sum of two), and the
+  ``train_step`` with two tapes and two ``apply_gradients``. Everything is created outside
+  any scope, as the tutorial (which has no strategy) does, and ``prepare`` is called once per
+  model; the step runs under ``strategy.run`` as the tutorial distributes a step. Dense
+  layers stand in for the convolutions, and the noise is read with the images instead of
+  drawn by ``tf.random.normal`` (each replica draws its own: not one device's numbers).
 """
 
 from __future__ import annotations
@@ -298,3 +307,80 @@ def convention_loop(
         for each in data:
             train(each)
     return [np.asarray(w) for w in model.get_weights()], optimizer
+
+
+def dcgan_loop(
+    strategy: tf.distribute.Strategy,
+    prepare: Prepare,
+    images: np.ndarray,
+    noise: np.ndarray,
+    *,
+    global_batch: int = 16,
+    epochs: int = 2,
+) -> list[np.ndarray]:
+    """The DCGAN tutorial's loop (see the module docstring); returns the generator's and
+    the discriminator's trained weights, then both optimizers' iterations."""
+    _seeded(13)
+    generator = keras.Sequential(
+        [
+            keras.Input((noise.shape[1],)),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dense(images.shape[1]),
+        ]
+    )
+    discriminator = keras.Sequential(
+        [
+            keras.Input((images.shape[1],)),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dense(1),
+        ]
+    )
+    cross_entropy = keras.losses.BinaryCrossentropy(from_logits=True)
+
+    def discriminator_loss(real_output: Any, fake_output: Any) -> Any:
+        real_loss = cross_entropy(tf.ones_like(real_output), real_output)
+        fake_loss = cross_entropy(tf.zeros_like(fake_output), fake_output)
+        return real_loss + fake_loss
+
+    def generator_loss(fake_output: Any) -> Any:
+        return cross_entropy(tf.ones_like(fake_output), fake_output)
+
+    generator_optimizer = keras.optimizers.Adam(1e-2)
+    discriminator_optimizer = keras.optimizers.Adam(1e-2)
+    if prepare is not None:
+        prepare(generator, generator_optimizer)  # the added lines
+        prepare(discriminator, discriminator_optimizer)
+
+    def train_step(real_images: Any, latent: Any) -> Any:
+        with tf.GradientTape() as gen_tape, tf.GradientTape() as disc_tape:
+            generated_images = generator(latent, training=True)
+            real_output = discriminator(real_images, training=True)
+            fake_output = discriminator(generated_images, training=True)
+            gen_loss = generator_loss(fake_output)
+            disc_loss = discriminator_loss(real_output, fake_output)
+        gradients_of_generator = gen_tape.gradient(gen_loss, generator.trainable_variables)
+        gradients_of_discriminator = disc_tape.gradient(
+            disc_loss, discriminator.trainable_variables
+        )
+        generator_optimizer.apply_gradients(
+            zip(gradients_of_generator, generator.trainable_variables, strict=True)
+        )
+        discriminator_optimizer.apply_gradients(
+            zip(gradients_of_discriminator, discriminator.trainable_variables, strict=True)
+        )
+        return gen_loss
+
+    @tf.function
+    def distributed_train_step(real_images: Any, latent: Any) -> Any:
+        return strategy.run(train_step, args=(real_images, latent))
+
+    dataset = tf.data.Dataset.from_tensor_slices((images, noise)).batch(global_batch)
+    for _ in range(epochs):
+        for real_images, latent in strategy.experimental_distribute_dataset(dataset):
+            distributed_train_step(real_images, latent)
+    return [
+        *generator.get_weights(),
+        *discriminator.get_weights(),
+        generator_optimizer.iterations.numpy(),
+        discriminator_optimizer.iterations.numpy(),
+    ]

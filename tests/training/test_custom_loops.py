@@ -19,7 +19,7 @@ from tfscale.testing import relative_difference
 from tfscale.training.loop import loop_state
 
 from .helpers import DATA, strategy_for
-from .loops import convention_loop, guide_loop, images, tutorial_loop, user_loop
+from .loops import convention_loop, dcgan_loop, guide_loop, images, tutorial_loop, user_loop
 
 pytestmark = pytest.mark.tf
 
@@ -40,6 +40,23 @@ def test_the_tutorial_loop_with_one_line_gives_one_device_weights() -> None:
     one = tutorial_loop(strategy_for(0), None, x, y)
     two = tutorial_loop(strategy_for(2), _prepare, x, y)
     assert _per_variable(two, one) <= TOLERANCE
+
+
+def test_the_dcgan_tutorial_loop_gives_one_device_weights_for_both_models() -> None:
+    """Two prepared models and optimizers made outside any scope (the optimizers were built
+    for the default strategy: "Mixing different tf.distribute.Strategy objects"), and two
+    losses computed before either gradient (the discriminator's was forgotten once the
+    generator's gradient was taken, and refused as unrecognized)."""
+    rng = np.random.default_rng(17)
+    real, noise = rng.normal(size=(64, 6)), rng.normal(size=(64, 4))
+    real, noise = real.astype("float32"), noise.astype("float32")
+    # One device as in the tutorial: no strategy (its optimizers cannot be built under a
+    # OneDeviceStrategy they were not created in, unprepared).
+    one = dcgan_loop(tf.distribute.get_strategy(), None, real, noise)
+    strategy = strategy_for(2)
+    two = dcgan_loop(strategy, lambda m, o: tfscale.prepare_loop(m, o, strategy), real, noise)
+    assert _per_variable(two[:-2], one[:-2]) <= TOLERANCE
+    assert [int(n) for n in two[-2:]] == [int(n) for n in one[-2:]] == [8, 8]
 
 
 def test_the_keras_guide_loop_with_one_line_gives_one_device_weights() -> None:

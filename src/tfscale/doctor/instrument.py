@@ -176,7 +176,7 @@ def _hook_loop_losses(log: _EventLog) -> None:
             if replicas < 2 or step_in_progress() or prepared_sources(sources):
                 return
             terms = conventions.classify(target)
-            conventions.forget_recorded()
+            conventions.forget_recorded(gradient_of=target)
             stack = tuple(creation_stack())
             if stack in seen:
                 return

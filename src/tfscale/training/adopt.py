@@ -11,7 +11,7 @@ trained state afterwards and a second ``fit`` continues the optimizer (Adam's mo
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import keras
@@ -45,11 +45,12 @@ def model_optimizers(model: Any) -> list[Any]:
     return list(found.values())
 
 
-def all_variables(model: Any) -> list[Any]:
-    """Every variable of the model: weights, metrics' state, its optimizers' state."""
+def all_variables(model: Any, optimizers: Sequence[Any] = ()) -> list[Any]:
+    """Every variable of the model: weights, metrics' state, its optimizers' state (and that
+    of ``optimizers``, a custom loop's, which the model does not hold)."""
     seen: dict[int, Any] = {}
     groups: list[Iterable[Any]] = [model.variables, model.metrics_variables]
-    for optimizer in model_optimizers(model):
+    for optimizer in _optimizers(model, optimizers):
         groups.append(optimizer.variables)
     for group in groups:
         for variable in group:
@@ -57,11 +58,20 @@ def all_variables(model: Any) -> list[Any]:
     return list(seen.values())
 
 
-def outside_variables(model: Any, strategy: tf.distribute.Strategy) -> list[Any]:
+def _optimizers(model: Any, optimizers: Sequence[Any]) -> list[Any]:
+    found = {id(o): o for o in model_optimizers(model)}
+    for optimizer in optimizers:
+        found.setdefault(id(optimizer), optimizer)
+    return list(found.values())
+
+
+def outside_variables(
+    model: Any, strategy: tf.distribute.Strategy, optimizers: Sequence[Any] = ()
+) -> list[Any]:
     """The model's variables (weights, metrics, optimizer state) ``strategy`` does not hold."""
     return [
         v
-        for v in all_variables(model)
+        for v in all_variables(model, optimizers)
         if not strategy.extended.variable_created_in_scope(internals.distributed_container(v))
     ]
 
@@ -95,7 +105,7 @@ def _reinitialize(variable: Any, value: Any) -> None:
         variable.trainable = frozen
 
 
-def adopt(model: Any, strategy: tf.distribute.Strategy) -> int:
+def adopt(model: Any, strategy: tf.distribute.Strategy, optimizers: Sequence[Any] = ()) -> int:
     """Makes ``strategy`` hold every variable of ``model``, keeping values and objects, and
     the model's random ops draw per replica (``randomness.py``).
 
@@ -106,7 +116,7 @@ def adopt(model: Any, strategy: tf.distribute.Strategy) -> int:
         TrainingError: A variable is a plain ``tf.Variable`` that Keras did not create (it
             cannot be moved; the model must be built inside the scope).
     """
-    outside = outside_variables(model, strategy)
+    outside = outside_variables(model, strategy, optimizers)
     foreign = [v for v in outside if not isinstance(v, keras.Variable)]
     if foreign:
         raise TrainingError(
@@ -130,7 +140,7 @@ def adopt(model: Any, strategy: tf.distribute.Strategy) -> int:
         notify_repaired(before, "tfscale.prepare")
     internals.set_model_strategy(model, strategy)
     draw_per_replica(model)
-    for optimizer in model_optimizers(model):
+    for optimizer in _optimizers(model, optimizers):
         internals.set_optimizer_strategy(optimizer, strategy)
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             internals.set_optimizer_strategy(optimizer.inner_optimizer, strategy)

@@ -165,9 +165,29 @@ def record_scaled(output: Any, loss: Any) -> None:
     _remember(output, loss)
 
 
-def forget_recorded() -> None:
-    """Drops this thread's recorded reductions (after a gradient has consumed them)."""
-    _LOCAL.reductions = {}
+def _graph_of(tensor: Any) -> Any:
+    try:
+        return tensor.graph
+    except AttributeError:  # an EagerTensor (a loop run eagerly under strategy.run)
+        return None
+
+
+def forget_recorded(gradient_of: Any = None) -> None:
+    """Drops this thread's recorded reductions after a gradient has consumed them.
+
+    Given the differentiated loss, keeps those of its graph: a step can compute several
+    losses before it differentiates any (a GAN's two tapes: the generator's gradient comes
+    before the discriminator's, whose loss was recorded with it), and each is consumed by
+    its own gradient. The rest (earlier traces' tensors) are dropped, as everything is
+    without it.
+    """
+    if gradient_of is None:
+        _LOCAL.reductions = {}
+        return
+    graph = _graph_of(gradient_of)
+    found = _recorded()
+    for key in [k for k in found if _graph_of(k.deref()) is not graph]:
+        del found[key]
 
 
 _PASS_THROUGH = {"Identity", "Cast"}

@@ -155,7 +155,7 @@ def _on_gradient(target: Any, sources: Any) -> None:
             state.on_gradient(target)
             classified = True
     if classified:
-        conventions.forget_recorded()
+        conventions.forget_recorded(gradient_of=target)
 
 
 def _build_outside_steps(model: Any, strategy: tf.distribute.Strategy) -> None:
@@ -307,7 +307,10 @@ def prepare_loop(
     _check(model, optimizer, loss, accumulation_steps)
     compression = check_compression(gradient_compression)
     strategy = resolve_strategy(model, strategy)
-    adopt(model, strategy)
+    # The loop's optimizer too: created outside the scope and held by no compiled model, it
+    # would be built for the default strategy ("Mixing different tf.distribute.Strategy
+    # objects" at its first variable).
+    adopt(model, strategy, [optimizer])
     if not model.built:
         _build_outside_steps(model, strategy)
     if not optimizer.built and model.built and model.trainable_variables:
