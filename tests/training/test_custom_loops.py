@@ -398,3 +398,31 @@ def test_prepare_loop_refuses_what_it_cannot_use() -> None:
         tfscale.prepare_loop(model, optimizer, accumulation_steps=0)
     with pytest.raises(tfscale.TrainingError, match="needs the Keras optimizer"):
         tfscale.prepare_loop(model)  # not compiled: no optimizer of its own
+
+
+def test_an_optimizer_prepared_for_another_strategy_is_refused_at_its_first_apply() -> None:
+    """A loop prepared for one strategy and run by another (``prepare_loop`` without the
+    strategy, for a model made outside any scope, gets ``choose_strategy()``'s own): a
+    TrainingError naming both and the fix, not TensorFlow's bare AssertionError."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    optimizer = keras.optimizers.SGD(0.1)
+    tfscale.prepare_loop(model, optimizer, strategy_for(1))
+    before = model.get_weights()
+    strategy = strategy_for(2)
+
+    def step(x: Any) -> None:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(model(x)), axis=-1)  # a per-example vector
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+
+    @tf.function
+    def run(x: Any) -> None:
+        strategy.run(step, args=(x,))
+
+    data = tf.data.Dataset.from_tensor_slices(np.ones((8, 4), "float32")).batch(8)
+    with pytest.raises(tfscale.TrainingError, match="prepared for another strategy") as info:
+        for x in strategy.experimental_distribute_dataset(data):
+            run(x)
+    assert "tfscale.prepare_loop(model, optimizer, strategy)" in str(info.value)
+    assert relative_difference(model.get_weights(), before) == 0.0

@@ -334,6 +334,21 @@ class DistributedUpdate:
         if context is None:
             # Cross-replica context (an eager call outside strategy.run): Keras's own path.
             return self._original_apply([_rows_summed(g) for g in grads], trainable_variables)
+        running = tf.distribute.get_strategy()
+        if tf.distribute.has_strategy() and running is not self.strategy:
+            raise TrainingError(
+                explain(
+                    "This optimizer was prepared for another strategy than the one running "
+                    "the step (its update would mix the two: TensorFlow fails with a bare "
+                    "AssertionError or 'Mixing different tf.distribute.Strategy objects').",
+                    received=f"prepared for {type(self.strategy).__name__} "
+                    f"{id(self.strategy):#x}, run by {type(running).__name__} {id(running):#x}",
+                    fix="pass the strategy whose run() calls the step: "
+                    "tfscale.prepare_loop(model, optimizer, strategy) (without it, a model "
+                    "made outside any scope gets tfscale.choose_strategy()'s own), or call it "
+                    "inside `with strategy.scope():`.",
+                )
+            )
         if trainable_variables is None:
             variables = internals.optimizer_trainable_variables(self.optimizer)
         else:
