@@ -13,9 +13,10 @@ A prepared model's seed generators fold the replica's id into each seed they han
 (``tf.random.experimental.stateless_fold_in``; ``replica_id_in_sync_group``, which counts the
 replicas of every worker under MultiWorkerMirroredStrategy), so the replicas' draws are
 independent, as one device's are. Outside a replica context of several replicas (one device,
-eager calls, the strategy's cross-replica context) they hand out Keras's seed unchanged. The generators are the
-ones Keras tracks on the model's layers and the model itself (``Layer._seed_generators``); a
-generator held by no layer (a module-level one, against Keras's advice) is not reached.
+eager calls, the strategy's cross-replica context) they hand out Keras's seed unchanged. The
+generators are the ones Keras tracks on the model's layers and the model itself
+(``Layer._seed_generators``); a generator held by no layer (a module-level one, against
+Keras's advice) is not reached.
 """
 
 from __future__ import annotations
