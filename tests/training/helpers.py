@@ -36,6 +36,23 @@ _ONE_DEVICE = tf.distribute.OneDeviceStrategy("/device:CPU:0")
 DATA = synthetic_classification(256, FEATURES, CLASSES, seed=7)
 
 
+class NoCallModel(keras.Model):  # type: ignore[misc]
+    """A model without ``call`` whose ``train_step`` drives a sub-model (keras-io's GAN and
+    VAE shape), trained on ``(x, y)`` with a mean squared error."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def train_step(self, data: Any) -> Any:
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self.inner(x) - y))
+        grads = tape.gradient(loss, self.inner.trainable_weights)
+        self.optimizer.apply_gradients(zip(grads, self.inner.trainable_weights, strict=True))
+        return {"loss": loss}
+
+
 def tiny_model(
     strategy: tf.distribute.Strategy | None, optimizer: str = "sgd", lr: float = 0.1, **kw: Any
 ) -> keras.Model:

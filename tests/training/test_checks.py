@@ -15,7 +15,7 @@ import tensorflow as tf
 import tfscale
 from tfscale.testing import relative_difference
 
-from .helpers import strategy_for
+from .helpers import NoCallModel, strategy_for
 
 pytestmark = pytest.mark.tf
 
@@ -127,25 +127,9 @@ def test_a_batched_dataset_with_batch_size_is_batched_once_as_keras_does() -> No
     assert relative_difference(ours.get_weights(), theirs.get_weights()) <= 1e-5
 
 
-class _Wrapper(keras.Model):
-    """A model without ``call`` whose ``train_step`` drives a sub-model (keras-io's GAN)."""
-
-    def __init__(self, inner: Any) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def train_step(self, data: Any) -> Any:
-        x, y = data
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(self.inner(x) - y))
-        grads = tape.gradient(loss, self.inner.trainable_weights)
-        self.optimizer.apply_gradients(zip(grads, self.inner.trainable_weights, strict=True))
-        return {"loss": loss}
-
-
 def test_a_model_without_call_is_refused_while_a_sub_model_is_unbuilt() -> None:
     unbuilt = keras.Sequential([keras.layers.Dense(1, name="head")], name="no_input")
-    model = _Wrapper(unbuilt)
+    model = NoCallModel(unbuilt)
     model.compile(keras.optimizers.Adam(0.01))
     with pytest.raises(tfscale.TrainingError, match="has no call") as info:
         tfscale.fit(model, X, Y, batch_size=16, strategy=strategy_for(2), verbose=0)

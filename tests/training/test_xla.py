@@ -17,7 +17,7 @@ import tfscale
 from tfscale.errors import TrainingError
 from tfscale.testing import relative_difference
 
-from .helpers import strategy_for
+from .helpers import NoCallModel, strategy_for
 
 pytestmark = pytest.mark.tf
 
@@ -221,22 +221,6 @@ def test_what_the_trial_cannot_see_is_refused_at_the_first_step_before_any_updat
     assert int(model.optimizer.iterations.numpy()) == 0
 
 
-class _NoCall(keras.Model):
-    """keras-io's VAE and GAN shape: no ``call``; the ``train_step`` drives a sub-model."""
-
-    def __init__(self, inner: Any) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def train_step(self, data: Any) -> Any:
-        x, y = data
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(self.inner(x) - y))
-        grads = tape.gradient(loss, self.inner.trainable_weights)
-        self.optimizer.apply_gradients(zip(grads, self.inner.trainable_weights, strict=True))
-        return {"loss": loss}
-
-
 @pytest.mark.parametrize("replicas", [0, 2])
 def test_a_model_without_call_is_compiled_at_its_first_step(replicas: int) -> None:
     """The trial lowers ``model(x)``, which a model without ``call`` cannot run (it raised
@@ -247,7 +231,7 @@ def test_a_model_without_call_is_compiled_at_its_first_step(replicas: int) -> No
     weights = []
     for jit in (False, True):
         keras.utils.set_random_seed(5)
-        model = _NoCall(keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]))
+        model = NoCallModel(keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]))
         model.compile(optimizer=keras.optimizers.SGD(0.05))
         tfscale.fit(
             model,
