@@ -21,7 +21,13 @@ from tfscale import internals
 from tfscale.errors import TrainingError, explain
 from tfscale.training.randomness import draw_per_replica
 
-__all__ = ["adopt", "all_variables", "model_optimizers", "outside_variables"]
+__all__ = ["adopt", "all_variables", "has_call", "model_optimizers", "outside_variables"]
+
+
+def has_call(model: Any) -> bool:
+    """Whether the model has a forward pass; keras-io's GAN and VAE have none (their
+    ``train_step`` drives sub-models), so nothing can be built or lowered from ``model(x)``."""
+    return type(model).call is not keras.Model.call
 
 
 def model_optimizers(model: Any) -> list[Any]:

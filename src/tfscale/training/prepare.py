@@ -36,7 +36,7 @@ import tensorflow as tf
 from tfscale import internals
 from tfscale.errors import TfscaleError, TrainingError, explain
 from tfscale.strategy_hooks import call_by_name
-from tfscale.training.adopt import adopt, model_optimizers
+from tfscale.training.adopt import adopt, has_call, model_optimizers
 from tfscale.training.allreduce import check_compression
 from tfscale.training.callbacks import guarded, halt_released
 from tfscale.training.checks import check_global_clipnorm, python_int
@@ -306,7 +306,7 @@ class Prepared:
             or (model.optimizer is not None and not model.optimizer.built)
             or any(not getattr(m, "built", True) for m in model.metrics)
         )
-        if unbuilt and type(model).call is keras.Model.call:
+        if unbuilt and not has_call(model):
             # keras-io's GAN and VAE: a model that only overrides train_step has no call to
             # build it from. Keras's own fit under a strategy fails here ("Unable to
             # automatically build the model"); on one device it builds nothing ahead and the

@@ -41,6 +41,7 @@ import tensorflow as tf
 
 from tfscale import internals
 from tfscale.errors import TrainingError, explain
+from tfscale.training.adopt import has_call
 
 __all__ = ["check_compilable", "compiled_step", "defer", "xla_error"]
 
@@ -192,8 +193,8 @@ def check_compilable(model: Any, data_spec: Any) -> None:
     Raises:
         TrainingError: XLA cannot compile it; the message names the layer.
     """
-    if type(model).call is keras.Model.call:
-        return  # no call (keras-io's GAN, VAE): its train_step is compiled at the first step
+    if not has_call(model):
+        return  # keras-io's GAN, VAE: the train_step is compiled at the first step
     x, _, _ = keras.utils.unpack_x_y_sample_weight(data_spec)
     x = tf.nest.map_structure(_static, x)
     if not all(isinstance(s, tf.TensorSpec) for s in tf.nest.flatten(x)):
