@@ -324,6 +324,27 @@ def test_optimizer_accessors() -> None:
     assert internals.distributed_container(variables[0]) is variables[0].value
 
 
+def test_optimizer_variable_key_and_rekey_optimizer() -> None:
+    kernel, bias = keras.Variable(np.ones(2, "float32")), keras.Variable(np.ones(2, "float32"))
+    optimizer = keras.optimizers.AdamW(0.1, weight_decay=0.5)
+    optimizer.exclude_from_weight_decay(var_list=[bias])
+    optimizer.build([kernel, bias])
+    _require(optimizer, "_var_key", "optimizer_variable_key", "training.adopt")
+    _require(optimizer, "_trainable_variables_indices", "rekey_optimizer", "training.adopt")
+    _require(optimizer, "_exclude_from_weight_decay", "rekey_optimizer", "training.adopt")
+    old = [internals.optimizer_variable_key(optimizer, v) for v in (kernel, bias)]
+    for variable in (kernel, bias):
+        internals.reinitialize_variable(variable, variable.numpy())
+    new = [internals.optimizer_variable_key(optimizer, v) for v in (kernel, bias)]
+    assert set(old).isdisjoint(new)  # the key names the tf.Variable, which was re-created
+    with pytest.raises(ValueError, match="Unknown variable"):
+        optimizer.apply([tf.ones(2), tf.ones(2)], [kernel, bias])
+    internals.rekey_optimizer(optimizer, dict(zip(old, new, strict=True)))
+    optimizer.apply([tf.ones(2), tf.ones(2)], [kernel, bias])
+    assert optimizer._use_weight_decay(kernel) and not optimizer._use_weight_decay(bias)
+    assert int(optimizer.iterations.numpy()) == 1
+
+
 def test_builtin_all_reduce_replaced_spares_prepared_optimizers() -> None:
     plain, prepared = keras.optimizers.SGD(0.1), keras.optimizers.SGD(0.1)
     internals.disable_builtin_all_reduce(prepared)

@@ -314,6 +314,38 @@ def set_optimizer_strategy(optimizer: Any, strategy: Any) -> None:
         optimizer._distribution_strategy = strategy
 
 
+def optimizer_variable_key(optimizer: Any, variable: Any) -> Any:
+    """``optimizer._var_key``: the key a Keras optimizer files a variable under.
+
+    Keras's TensorFlow optimizer keys its tables (which slot belongs to which weight, which
+    weights skip weight decay) by the ``tf.Variable`` behind each Keras variable, not by the
+    Keras variable: re-creating that ``tf.Variable`` (``reinitialize_variable``) changes it.
+    """
+    return optimizer._var_key(variable)
+
+
+def rekey_optimizer(optimizer: Any, keys: dict[Any, Any]) -> None:
+    """Re-files every table of ``optimizer`` keyed by ``_var_key`` under the new keys.
+
+    ``keys`` maps each moved variable's old key to its new one. The tables are the dict and
+    set attributes holding such keys: ``_trainable_variables_indices`` (without which a built
+    optimizer refuses its own weights: "Unknown variable ... can only be called for the
+    variables it was originally built with"), ``_exclude_from_weight_decay`` and its cache
+    (without which an excluded weight would silently decay), and any other Keras keeps the
+    same way (``MultiOptimizer``'s ``_var_to_optimizer_idx``). Each is changed in place, so
+    Keras's tracking wrappers stay.
+    """
+    for value in list(vars(optimizer).values()):
+        if isinstance(value, dict) and any(key in keys for key in value):
+            items = list(value.items())
+            value.clear()
+            value.update({keys.get(key, key): item for key, item in items})
+        elif isinstance(value, set) and any(key in keys for key in value):
+            members = list(value)
+            value.clear()
+            value.update({keys.get(key, key) for key in members})
+
+
 def disable_builtin_all_reduce(optimizer: Any) -> None:
     """Makes a Keras TF optimizer apply gradients as given, without all-reducing them.
 

@@ -1,5 +1,5 @@
 """Bad inputs give tfscale errors that say what to do; callbacks, validation, per-batch logs
-and the profiling hooks work; models built outside the scope train in place."""
+and the profiling hooks work. (Models built outside the scope: test_adopt.py.)"""
 
 from __future__ import annotations
 
@@ -118,21 +118,6 @@ def test_unreadable_or_endless_data_and_keras_accumulation_are_refused() -> None
     model = tiny_model(strategy, keras.optimizers.SGD(0.1, gradient_accumulation_steps=2))
     with pytest.raises(tfscale.TrainingError, match="accumulation_steps=2"):
         tfscale.fit(model, *DATA, strategy=strategy, verbose=0)
-
-
-def test_model_built_outside_the_scope_trains_in_place_and_keeps_its_optimizer() -> None:
-    x, y = DATA
-    strategy = strategy_for(2)
-    outside = tiny_model(None, "adam", lr=0.01)
-    optimizer = outside.optimizer
-    for _ in range(2):  # the second call continues Adam where the first stopped
-        tfscale.fit(outside, batches(x, y, 32), steps_per_epoch=3, strategy=strategy, verbose=0)
-    assert outside.optimizer is optimizer
-    assert int(optimizer.iterations.numpy()) == 6
-    expected = reference_weights(x, y, batch=32, steps=3, optimizer="adam", lr=0.01, epochs=2)
-    assert relative_difference(outside.get_weights(), expected) <= 1e-5
-    kernel = outside.trainable_variables[0].value
-    assert strategy.extended.variable_created_in_scope(kernel)
 
 
 def test_multi_input_arrays_as_a_dict() -> None:

@@ -135,19 +135,40 @@ def adopt(model: Any, strategy: tf.distribute.Strategy, optimizers: Sequence[Any
                 "        model = build_model()",
             )
         )
+    every_optimizer = [o for top in _optimizers(model, optimizers) for o in _nested(top)]
     if outside:
         from tfscale.scope import notify_repaired
 
         before = [internals.backing_variable(v) for v in outside]
         values = [_value_for(v) for v in outside]
+        old_keys = [_keys(o, outside) for o in every_optimizer]
         with strategy.scope(), tf.init_scope():
             for variable, value in zip(outside, values, strict=True):
                 _reinitialize(variable, value)
+        for optimizer, old in zip(every_optimizer, old_keys, strict=True):
+            new = _keys(optimizer, outside)
+            internals.rekey_optimizer(optimizer, dict(zip(old, new, strict=True)))
         notify_repaired(before, "tfscale.prepare")
     internals.set_model_strategy(model, strategy)
     draw_per_replica(model)
-    for optimizer in _optimizers(model, optimizers):
+    for optimizer in every_optimizer:
         internals.set_optimizer_strategy(optimizer, strategy)
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            internals.set_optimizer_strategy(optimizer.inner_optimizer, strategy)
     return len(outside)
+
+
+def _nested(optimizer: Any) -> list[Any]:
+    """The optimizer and those it wraps (a ``LossScaleOptimizer``'s inner optimizer, a
+    ``MultiOptimizer``'s), each with its own strategy and its own tables of variables."""
+    found = [optimizer]
+    for value in list(vars(optimizer).values()):
+        items = value if isinstance(value, (list, tuple)) else [value]
+        for item in items:
+            if isinstance(item, keras.optimizers.Optimizer) and item is not optimizer:
+                found.extend(o for o in _nested(item) if all(o is not f for f in found))
+    return found
+
+
+def _keys(optimizer: Any, variables: Sequence[Any]) -> list[Any]:
+    """The key ``optimizer`` files each variable under: it names the ``tf.Variable`` behind
+    the Keras variable, so it changes when that is re-created (``internals.rekey_optimizer``)."""
+    return [internals.optimizer_variable_key(optimizer, v) for v in variables]
