@@ -80,6 +80,35 @@ def test_merged_report_has_a_row_per_worker_and_the_straggler_first() -> None:
     assert "| worker | step ms |" in markdown and "worker 1, input-bound" in markdown
 
 
+def test_a_script_that_failed_before_a_step_is_told_from_one_that_ran_none() -> None:
+    from tfscale.errors import ProfileError
+    from tfscale.profiling.script import measured, script_report
+
+    failed = {"status": 1, "device_kind": "CPU", "physical_devices": 2, "fits": []}
+    assert not measured(failed) and measured(_part(0.2, 0.0, 0.2, 0.0))
+    with pytest.raises(ProfileError, match=r"failed \(exit status 1\) before a training step"):
+        script_report(failed, "train.py")
+    with pytest.raises(ProfileError, match="ran no measurable training step"):
+        script_report({**failed, "status": 0}, "train.py")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_profile_of_workers_that_fail_shows_their_error(tmp_path: Path) -> None:
+    # The workers' output goes to files; their error must reach the user, not "run it for
+    # more steps".
+    (tmp_path / "job.py").write_text('raise SystemExit("bad config: no such bucket")\n')
+    code = """
+import sys
+from tfscale.cli.main import main
+sys.exit(main(["profile", "-n", "2", "--timeout", "120", "job.py"]))
+"""
+    done = run_python(code, timeout=180, cwd=str(tmp_path))
+    assert done.returncode == 2, done.stderr[-4000:]
+    assert "failed (exit status 1) before any worker measured a training step" in done.stderr
+    assert "bad config: no such bucket" in done.stderr
+
+
 _SLOW_INPUT_JOB = textwrap.dedent(
     """
     import json, os, sys, time

@@ -208,6 +208,7 @@ def _profile_workers(
     from tfscale.profiling.script import (
         TRACES_ENV,
         crashed,
+        measured,
         merge_workers,
         profiled_command,
         read_workers,
@@ -277,11 +278,14 @@ def _profile_workers(
             "the job",
             lambda line: console.print(line, markup=False, soft_wrap=True),
         )
-        if done.exit_code != 0 and not written(parts):
+        if done.exit_code != 0 and not (
+            written(parts) and any(measured(p) for p in read_workers(parts).values())
+        ):
+            # The workers' output went to files: the failed one's tail is the only word of it.
             raise ProfileError(
                 explain(
-                    f"The {args.workers}-worker job failed before any worker wrote its timing "
-                    f"(exit status {done.exit_code}).",
+                    f"The {args.workers}-worker job failed (exit status {done.exit_code}) "
+                    "before any worker measured a training step.",
                     received=tail,
                     fix=f"run it as a job first: tfscale launch -n {args.workers} {script}",
                 )

@@ -310,6 +310,11 @@ def _points(data: dict[str, Any]) -> list[tuple[dict[str, Any], Any]]:
     return out
 
 
+def measured(data: dict[str, Any]) -> bool:
+    """Whether a run's timings hold a measured training step."""
+    return bool(_points(data))
+
+
 def _main(points: list[tuple[dict[str, Any], Any]]) -> Any:
     """The fit call that measured the most steps (the training, not a warm-up fit)."""
     return max(points, key=lambda fp: fp[0]["steps_measured"])[1]
@@ -338,6 +343,15 @@ def script_report(data: dict[str, Any], path: str, reference: dict[str, Any] | N
 
     fits = _points(data)
     status = data.get("status")
+    if not fits and status not in (0, None):
+        # The script's own error is the news, not the missing steps (its output is relayed).
+        raise ProfileError(
+            explain(
+                f"The script failed (exit status {status}) before a training step was measured.",
+                received=f"{path} (exit status {status})",
+                fix=f"its error is in its output above; run it on its own first: python {path}",
+            )
+        )
     if not fits:
         raise ProfileError(
             explain(
