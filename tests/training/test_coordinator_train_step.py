@@ -6,7 +6,8 @@ give one device's weights and History (with two workers the updates interleave
 asynchronously and no step-by-step equality is owed). Models: a ``train_step`` override
 (Keras's guide's, with its own trackers), a ``compute_loss`` override,
 ``add_loss``, two outputs with loss weights, compiled metrics and sample weights (from
-arrays, a tf.data.Dataset and a dataset_fn); and the refusals of a step that cannot run.
+arrays, a tf.data.Dataset and a dataset_fn), a model built or trained outside the scope; and
+the refusals of a step that cannot run.
 On two workers: the metrics, on the ps and updated by both, count every example of every
 step (an update lost between one worker's read and write would show).
 """
@@ -148,6 +149,29 @@ for name in [*CASES, *INPUTS]:
         "iterations": int(model.optimizer.iterations.numpy()),
     }
 
+# Built outside the scope: moved onto the ps. Trained one epoch on one device first, its Adam
+# built: continued there. Compared with one device's epochs after the first.
+for name, first in {"outside_scope": 0, "trained_outside": 1}.items():
+    reference = with_add_loss()
+    expected = reference.fit(x, y, batch_size=8, epochs=first + 2, shuffle=False, verbose=0)
+    model = with_add_loss()
+    if first:
+        model.fit(x, y, batch_size=8, epochs=first, shuffle=False, verbose=0)
+    try:
+        got = tfscale.fit(model, x, y, strategy=strategy, batch_size=8, epochs=2,
+                          shuffle=False, verbose=0)
+    except Exception as error:  # its own test fails with it, not the whole module
+        results[name] = {"error": f"{type(error).__name__}: {error}"}
+        continue
+    results[name] = {
+        "expected": {k: v[first:] for k, v in expected.history.items()},
+        "got": got.history,
+        "weights": max(float(np.max(np.abs(a - b)))
+                       for a, b in zip(reference.get_weights(), model.get_weights())),
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "on_ps": all("/job:ps/" in v.value.device for v in model.weights),
+    }
+
 
 class MakesVariable(keras.Model):
     def train_step(self, data):
@@ -208,6 +232,20 @@ def test_one_worker_gives_one_device_weights_and_history(
     assert set(got) == set(expected), (sorted(got), sorted(expected))
     for key, values in expected.items():
         assert got[key] == pytest.approx(values, rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "steps"), [("outside_scope", 8), ("trained_outside", 12)])
+def test_a_model_built_or_trained_outside_the_scope_moves_to_the_ps_and_continues(
+    case: str, steps: int, trained: dict[str, Any]
+) -> None:
+    result = trained[case]
+    assert "error" not in result, result
+    assert result["on_ps"] and result["weights"] <= 1e-5, result
+    assert result["iterations"] == steps
+    for key, values in result["expected"].items():
+        assert result["got"][key] == pytest.approx(values, rel=1e-5, abs=1e-6), key
 
 
 @pytest.mark.multiprocess

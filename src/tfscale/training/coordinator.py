@@ -49,6 +49,7 @@ import tensorflow as tf
 
 from tfscale import internals
 from tfscale.errors import TrainingError, explain
+from tfscale.training.adopt import adopt
 
 __all__ = [
     "HONOURED",
@@ -223,8 +224,9 @@ def fit_with_coordinator(
     """Trains a compiled model through a ClusterCoordinator (see the module docstring).
 
     Args:
-        model: A compiled Keras model created inside ``strategy.scope()``; its own
-            ``train_step`` runs on the workers.
+        model: A compiled Keras model; its own ``train_step`` runs on the workers. One
+            built (or trained, or loaded) outside ``strategy.scope()`` has its variables
+            moved onto the ps tasks first (``adopt``).
         data: ``(x, y)`` or ``(x, y, sample_weight)`` arrays (each worker shuffles its own
             copy with a different seed), a batched ``tf.data.Dataset`` (repeated), or
             ``dataset_fn(input_context)`` returning batches (repeated by the caller).
@@ -256,6 +258,9 @@ def fit_with_coordinator(
     make_dataset, steps, element_spec = _input(data, batch_size, steps_per_epoch, strategy, shuffle)
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     optimizer = model.optimizer
+    # A model built (or trained, or loaded) outside the scope: its variables move to the ps
+    # tasks, as under the other strategies.
+    adopt(model, strategy)
     with strategy.scope():
         # What the step would otherwise create in its first trace, on a worker: the model's,
         # the compiled loss's and metrics' and the optimizer's variables.
