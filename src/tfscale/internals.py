@@ -20,7 +20,7 @@ import contextlib
 import contextvars
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 __all__ = [
@@ -322,6 +322,20 @@ def optimizer_variable_key(optimizer: Any, variable: Any) -> Any:
     Keras variable: re-creating that ``tf.Variable`` (``reinitialize_variable``) changes it.
     """
     return optimizer._var_key(variable)
+
+
+def optimizers_chosen(optimizer: Any, variables: Sequence[Any]) -> list[Any]:
+    """``MultiOptimizer._optimizer_map``: the optimizer its map picks for each variable.
+
+    A ``MultiOptimizer`` (Keras 3.15) given a function learns its optimizers only as its
+    ``build`` asks the function, variable by variable, and builds each at once; asking it the
+    same first is the only way to reach them before they create their variables. Empty for
+    any other optimizer.
+    """
+    choose = getattr(optimizer, "_optimizer_map", None)
+    if choose is None or not callable(choose):
+        return []
+    return [choose(variable) for variable in variables]
 
 
 def rekey_optimizer(optimizer: Any, keys: dict[Any, Any]) -> None:

@@ -21,7 +21,14 @@ from tfscale import internals
 from tfscale.errors import TrainingError, explain
 from tfscale.training.randomness import draw_per_replica
 
-__all__ = ["adopt", "all_variables", "has_call", "model_optimizers", "outside_variables"]
+__all__ = [
+    "adopt",
+    "all_variables",
+    "has_call",
+    "model_optimizers",
+    "outside_variables",
+    "wrapped_optimizers",
+]
 
 
 def has_call(model: Any) -> bool:
@@ -48,6 +55,28 @@ def model_optimizers(model: Any) -> list[Any]:
                 add(item)
         else:
             add(value)
+    return list(found.values())
+
+
+def wrapped_optimizers(optimizer: Any) -> list[Any]:
+    """The optimizer and every optimizer it wraps, each once: a ``LossScaleOptimizer``'s
+    ``inner_optimizer``, a ``MultiOptimizer``'s ``optimizers`` (Keras 3.15; those a callable
+    map makes appear when it is built), and theirs.
+
+    Each holds its own strategy, its own built-in all-reduce and its own tables of variables,
+    so whatever tfscale sets on an optimizer it sets on each of these.
+    """
+    found: dict[int, Any] = {}
+
+    def add(each: Any) -> None:
+        if not isinstance(each, keras.optimizers.Optimizer) or id(each) in found:
+            return
+        found[id(each)] = each
+        add(getattr(each, "inner_optimizer", None))
+        for child in getattr(each, "optimizers", None) or ():
+            add(child)
+
+    add(optimizer)
     return list(found.values())
 
 
@@ -135,7 +164,8 @@ def adopt(model: Any, strategy: tf.distribute.Strategy, optimizers: Sequence[Any
                 "        model = build_model()",
             )
         )
-    every_optimizer = [o for top in _optimizers(model, optimizers) for o in _nested(top)]
+    tops = _optimizers(model, optimizers)
+    every_optimizer = list({id(o): o for t in tops for o in wrapped_optimizers(t)}.values())
     if outside:
         from tfscale.scope import notify_repaired
 
@@ -153,19 +183,29 @@ def adopt(model: Any, strategy: tf.distribute.Strategy, optimizers: Sequence[Any
     draw_per_replica(model)
     for optimizer in every_optimizer:
         internals.set_optimizer_strategy(optimizer, strategy)
+        if isinstance(optimizer, _MULTI_OPTIMIZER) and not optimizer.built:
+            _strategy_for_chosen(optimizer, strategy)
     return len(outside)
 
 
-def _nested(optimizer: Any) -> list[Any]:
-    """The optimizer and those it wraps (a ``LossScaleOptimizer``'s inner optimizer, a
-    ``MultiOptimizer``'s), each with its own strategy and its own tables of variables."""
-    found = [optimizer]
-    for value in list(vars(optimizer).values()):
-        items = value if isinstance(value, (list, tuple)) else [value]
-        for item in items:
-            if isinstance(item, keras.optimizers.Optimizer) and item is not optimizer:
-                found.extend(o for o in _nested(item) if all(o is not f for f in found))
-    return found
+# keras.optimizers.MultiOptimizer is new in Keras 3.15; an empty tuple matches nothing before.
+_MULTI_OPTIMIZER: Any = getattr(keras.optimizers, "MultiOptimizer", ())
+
+
+def _strategy_for_chosen(optimizer: Any, strategy: tf.distribute.Strategy) -> None:
+    """A ``MultiOptimizer`` whose map is a function finds its optimizers as it builds, and
+    builds each at once: one made outside the scope would create its variables for another
+    strategy ("Mixing different tf.distribute.Strategy objects"). Its ``build`` first gives
+    each optimizer the map chooses the strategy."""
+    build = type(optimizer).build.__get__(optimizer)
+
+    def build_in_strategy(var_list: Any) -> None:
+        for chosen in internals.optimizers_chosen(optimizer, var_list):
+            for each in wrapped_optimizers(chosen):
+                internals.set_optimizer_strategy(each, strategy)
+        build(var_list)
+
+    internals.override(optimizer, "build", build_in_strategy)
 
 
 def _keys(optimizer: Any, variables: Sequence[Any]) -> list[Any]:

@@ -39,7 +39,7 @@ import tensorflow as tf
 from tfscale import internals
 from tfscale.errors import TrainingError, explain
 from tfscale.training import conventions
-from tfscale.training.adopt import adopt
+from tfscale.training.adopt import adopt, wrapped_optimizers
 from tfscale.training.allreduce import check_compression
 from tfscale.training.checks import check_global_clipnorm, python_int
 from tfscale.training.conventions import DECLARED, Declared, Weighting
@@ -241,15 +241,18 @@ def _check(model: Any, optimizer: Any, loss: object, accumulation_steps: object)
                 allowed="an int >= 1",
             )
         )
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    if getattr(inner, "gradient_accumulation_steps", None):
+    steps = max(
+        (getattr(o, "gradient_accumulation_steps", None) or 0)
+        for o in wrapped_optimizers(optimizer)
+    )
+    if steps:
         raise TrainingError(
             explain(
                 "The optimizer has Keras's gradient_accumulation_steps set; under "
                 "MirroredStrategy it fails with a merge_call RuntimeError.",
-                received=f"gradient_accumulation_steps={inner.gradient_accumulation_steps}",
+                received=f"gradient_accumulation_steps={steps}",
                 fix="remove it and pass tfscale.prepare_loop(model, optimizer, "
-                f"accumulation_steps={inner.gradient_accumulation_steps})",
+                f"accumulation_steps={steps})",
             )
         )
 

@@ -51,6 +51,7 @@ import tensorflow as tf
 from tfscale import internals
 from tfscale.errors import TrainingError, explain
 from tfscale.training import xla
+from tfscale.training.adopt import wrapped_optimizers
 from tfscale.training.allreduce import all_reduce_packed
 from tfscale.training.conventions import record_scaled
 
@@ -119,12 +120,6 @@ def _current() -> StepContext | None:
 def step_in_progress() -> bool:
     """Whether this thread is tracing one of tfscale's own replica steps (``function.py``)."""
     return _current() is not None
-
-
-def _inner(optimizer: Any) -> Any:
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return optimizer.inner_optimizer
-    return optimizer
 
 
 def _weighted(gradient: Any, count: tf.Tensor) -> Any:
@@ -225,9 +220,7 @@ class DistributedUpdate:
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             self._original_scale_loss = type(optimizer).scale_loss.__get__(optimizer)
             internals.override(optimizer, "scale_loss", self.scale_loss)
-        for each in {id(optimizer): optimizer, id(_inner(optimizer)): _inner(optimizer)}.values():
-            internals.disable_builtin_all_reduce(each)
-            internals.set_optimizer_strategy(each, strategy)
+        self._own_all_reduce_off()
 
     # -- variables -----------------------------------------------------------------------
     def _build_lazily(self, variables: Sequence[Any]) -> None:
@@ -466,12 +459,25 @@ class DistributedUpdate:
         step = _current()
         return self.options if step is None or step.options is None else step.options
 
+    def _own_all_reduce_off(self) -> None:
+        """The gradient reaching the user's optimizer is reduced: every optimizer it wraps
+        (``adopt.wrapped_optimizers``) applies it as given, on this update's strategy.
+
+        Run again at each update's trace: a ``MultiOptimizer`` whose map is a function makes
+        its optimizers when it is built, and each would sum the reduced gradient over the
+        replicas once more (N times one device's update, silently).
+        """
+        for each in wrapped_optimizers(self.optimizer):
+            internals.disable_builtin_all_reduce(each)
+            internals.set_optimizer_strategy(each, self.strategy)
+
     def _finish(self, grads: list[Any], variables: list[Any]) -> None:
         """Clips the reduced gradient, then applies it if finite (identical on every replica).
 
         Every update reaches the optimizer here (``tfscale.fit``, ``prepare``, custom loops,
         workers, XLA's deferred apply), with each sparse gradient's duplicate rows summed.
         """
+        self._own_all_reduce_off()
         grads = [_rows_summed(g) for g in grads]
         options = self._step_options()
         clipnorm = None if options is None else options.clipnorm

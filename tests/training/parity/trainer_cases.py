@@ -1,5 +1,6 @@
-"""Cases drawn from Keras's ``keras/src/trainers/trainer_test.py`` and
-``keras/src/models/model_test.py`` (keras-team/keras, Keras 3.15)."""
+"""Cases drawn from Keras's ``keras/src/trainers/trainer_test.py``,
+``keras/src/models/model_test.py`` and ``keras/src/optimizers/multi_optimizer_test.py``
+(keras-team/keras, Keras 3.15)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from .registry import Case, Run, Train, same_history, same_weights
 
 TRAINER = "keras/src/trainers/trainer_test.py"
 MODEL = "keras/src/models/model_test.py"
+MULTI = "keras/src/optimizers/multi_optimizer_test.py"
 X, Y = regression()
 
 
@@ -305,6 +307,36 @@ X70, Y70 = _uneven(70)
 X_CLS, Y_CLS = classification()
 
 
+# -- MultiOptimizer (Keras 3.15) ---------------------------------------------------------------
+def _multi_optimizer(how: str) -> Any:
+    """Adam for the hidden layer, SGD for the rest: through an ``OptimizerMap`` of patterns,
+    a function (its optimizers appear when it is built), or an ``OptimizerMap`` wrapped in a
+    ``LossScaleOptimizer``. Each sub-optimizer applies the gradient itself, so each has its
+    own built-in all-reduce to switch off."""
+
+    def build() -> Any:
+        keras.utils.set_random_seed(SEED)
+        inputs = keras.Input((FEATURES,))
+        hidden = keras.layers.Dense(8, activation="tanh", name="hidden")(inputs)
+        model = keras.Model(inputs, keras.layers.Dense(1, name="out")(hidden))
+        adam, sgd = keras.optimizers.Adam(0.01), keras.optimizers.SGD(0.05)
+        if how == "callable":
+            chosen = keras.optimizers.MultiOptimizer(
+                lambda variable: adam if "hidden" in variable.path else sgd
+            )
+        else:
+            chosen = keras.optimizers.MultiOptimizer(
+                keras.optimizers.OptimizerMap(
+                    default_optimizer=sgd, optimizer_map={".*hidden/.*": adam}
+                )
+            )
+        if how == "loss_scale":
+            chosen = keras.optimizers.LossScaleOptimizer(chosen, initial_scale=64.0)
+        return compiled(model, optimizer=chosen)
+
+    return build
+
+
 CASES = [
     Case("fit_flow_arrays", f"{TRAINER}::test_fit_flow", regressor, _arrays()),
     Case(
@@ -500,6 +532,24 @@ CASES = [
             "that finds the generator exhausted, with no change to the weights); tfscale "
             "counts the 4 updates it made"
         ),
+    ),
+    Case(
+        "multi_optimizer_map",
+        f"{MULTI}::test_multi_optimizer_with_model_fit (OptimizerMap)",
+        _multi_optimizer("map"),
+        _arrays(),
+    ),
+    Case(
+        "multi_optimizer_callable",
+        f"{MULTI}::test_custom_callable_function (sub-optimizers found at build)",
+        _multi_optimizer("callable"),
+        _arrays(),
+    ),
+    Case(
+        "multi_optimizer_in_loss_scale_optimizer",
+        f"{MULTI}::test_multi_optimizer_wrapped_in_loss_scale_optimizer",
+        _multi_optimizer("loss_scale"),
+        _arrays(),
     ),
     Case(
         "history_params",
