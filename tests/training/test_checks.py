@@ -139,3 +139,23 @@ def test_a_model_without_call_is_refused_while_a_sub_model_is_unbuilt() -> None:
     history = tfscale.fit(model, X, Y, batch_size=16, strategy=strategy_for(2), verbose=0)
     assert np.isfinite(history.history["loss"]).all()
     assert int(model.optimizer.iterations.numpy()) == 4
+
+
+def test_an_ema_overwritten_every_few_steps_is_refused_under_mirrored_and_runs_on_one_device() -> (
+    None
+):
+    def model() -> keras.Model:
+        built = _model()
+        built.compile(keras.optimizers.AdamW(0.01, use_ema=True, ema_overwrite_frequency=3), "mse")
+        return built
+
+    refused = model()
+    before = refused.get_weights()
+    with pytest.raises(tfscale.TrainingError, match="ema_overwrite_frequency=3") as info:
+        tfscale.fit(refused, X, Y, batch_size=16, strategy=strategy_for(2), verbose=0)
+    assert "# no ema_overwrite_frequency" in str(info.value)
+    assert relative_difference(refused.get_weights(), before) == 0.0
+    # One device runs Keras's overwrite (the refusal is where Keras fails, not wider).
+    alone = model()
+    tfscale.fit(alone, X, Y, batch_size=16, strategy=strategy_for(0), verbose=0)
+    assert int(alone.optimizer.iterations.numpy()) == 4

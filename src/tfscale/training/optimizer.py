@@ -192,6 +192,7 @@ class DistributedUpdate:
     """
 
     def __init__(self, optimizer: Any, strategy: tf.distribute.Strategy) -> None:
+        _refuse_ema_overwrite(optimizer, strategy)
         self.optimizer = optimizer
         self.strategy = strategy
         self.accumulation_steps = 1
@@ -537,6 +538,36 @@ class DistributedUpdate:
             tf.cond(first, _no_outputs(each), _no_outputs(no))
 
         tf.distribute.get_replica_context().merge_call(merged, args=(predicate, *args))
+
+
+def _refuse_ema_overwrite(optimizer: Any, strategy: tf.distribute.Strategy) -> None:
+    """Refuses ``use_ema=True`` with ``ema_overwrite_frequency`` where Keras cannot run it.
+
+    Keras overwrites the weights with their average inside a ``cond`` of each replica's
+    ``apply``, through ``strategy.extended.update``: under MirroredStrategy (its replica
+    threads need ``merge_call``) the first step fails with "`merge_call` called while
+    defining a new graph", in Keras's own ``model.fit`` too. The average itself works: ``fit``
+    writes it into the weights at its end (``finalize_variable_values``).
+    """
+    if not isinstance(strategy, tf.distribute.MirroredStrategy):
+        return  # OneDevice runs it; MultiWorkerMirrored needs no merge_call (untested)
+    for each in wrapped_optimizers(optimizer):
+        every = getattr(each, "ema_overwrite_frequency", None)
+        if getattr(each, "use_ema", False) and every:
+            raise TrainingError(
+                explain(
+                    f"{type(each).__name__}(use_ema=True, ema_overwrite_frequency={every}) "
+                    f"cannot run under {type(strategy).__name__}: Keras overwrites the "
+                    "weights with their moving average inside each replica's update, where "
+                    "this strategy cannot synchronize, and the first step fails (Keras's own "
+                    "model.fit too).",
+                    received=f"ema_overwrite_frequency={every}",
+                    allowed="use_ema=True without ema_overwrite_frequency: the average is "
+                    "kept during training and written into the weights when fit ends "
+                    "(keras.callbacks.SwapEMAWeights evaluates with it on the way)",
+                    fix=f"{type(each).__name__}(..., use_ema=True)  # no ema_overwrite_frequency",
+                )
+            )
 
 
 def _no_outputs(function: Callable[[], Any]) -> Callable[[], None]:
