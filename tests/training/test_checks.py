@@ -159,3 +159,28 @@ def test_an_ema_overwritten_every_few_steps_is_refused_under_mirrored_and_runs_o
     alone = model()
     tfscale.fit(alone, X, Y, batch_size=16, strategy=strategy_for(0), verbose=0)
     assert int(alone.optimizer.iterations.numpy()) == 4
+
+
+def test_an_unbatched_dataset_is_refused_before_any_work() -> None:
+    classes = np.random.default_rng(2).integers(0, 3, size=64)
+    examples = [
+        # Scalar labels: TensorFlow's split over replicas failed with a bare IndexError.
+        ("x", tf.data.Dataset.from_tensor_slices((X, classes))),
+        # One-hot labels: every component has a dimension, the features one short of the input.
+        ("x", tf.data.Dataset.from_tensor_slices((X, np.eye(3, dtype="float32")[classes]))),
+    ]
+    for name, unbatched in examples:
+        model = _model()
+        before = model.get_weights()
+        with pytest.raises(tfscale.TrainingError, match=f"The {name} dataset yields single"):
+            tfscale.fit(model, unbatched, strategy=strategy_for(2), verbose=0)
+        assert relative_difference(model.get_weights(), before) == 0.0
+    batched = tf.data.Dataset.from_tensor_slices((X, Y)).batch(16)
+    with pytest.raises(tfscale.TrainingError, match="validation_data dataset yields single"):
+        tfscale.fit(
+            _model(),
+            batched,
+            validation_data=tf.data.Dataset.from_tensor_slices((X, Y)),
+            strategy=strategy_for(2),
+            verbose=0,
+        )

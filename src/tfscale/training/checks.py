@@ -105,8 +105,11 @@ def _string_inputs(model: Any) -> bool:
     return any(tf.as_dtype(getattr(i, "dtype", "float32")) == tf.string for i in inputs)
 
 
-def check_inputs(model: Any, x: Any, y: Any, validation_split: float) -> None:
-    """Empty data, text in a numeric model, a validation split out of range.
+def check_inputs(
+    model: Any, x: Any, y: Any, validation_split: float, validation_data: Any = None
+) -> None:
+    """Empty data, unbatched datasets, text in a numeric model, a validation split out of
+    range.
 
     Raises:
         TrainingError: The first problem found.
@@ -135,6 +138,21 @@ def check_inputs(model: Any, x: Any, y: Any, validation_split: float) -> None:
                 allowed="at least one example",
             )
         )
+    for name, data in (("x", x), ("validation_data", validation_data)):
+        if isinstance(data, tf.data.Dataset) and _unbatched(model, data):
+            spec = tf.nest.map_structure(lambda s: tuple(s.shape), data.element_spec)
+            raise TrainingError(
+                explain(
+                    f"The {name} dataset yields single examples, not batches: under a "
+                    "strategy each batch is split over the replicas along its first "
+                    "dimension, which these elements do not have (TensorFlow fails with a "
+                    "bare IndexError; on one device the model gets examples of the wrong "
+                    "rank).",
+                    received=f"elements of shape {spec}",
+                    allowed="a batched dataset: every element a batch of examples",
+                    fix="batch it with the global batch size: dataset.batch(64)",
+                )
+            )
     texts = [a for a in _arrays(x) if np.asarray(a).dtype.kind in "USO"]
     if texts and not _string_inputs(model):
         raise TrainingError(
@@ -148,6 +166,21 @@ def check_inputs(model: Any, x: Any, y: Any, validation_split: float) -> None:
                 "the TextVectorization layer inside the model",
             )
         )
+
+
+def _unbatched(model: Any, dataset: tf.data.Dataset) -> bool:
+    """Whether a dataset's elements are single examples: a scalar component (a batch has a
+    batch dimension), or the features of a one-input model one rank short of its input."""
+    specs = [s for s in tf.nest.flatten(dataset.element_spec) if isinstance(s, tf.TensorSpec)]
+    if any(s.shape.rank == 0 for s in specs):
+        return True
+    spec = dataset.element_spec
+    features = tf.nest.flatten(spec[0] if isinstance(spec, tuple) else spec)
+    inputs = getattr(model, "inputs", None) or []
+    if len(inputs) != 1 or len(features) != 1 or not isinstance(features[0], tf.TensorSpec):
+        return False
+    rank = features[0].shape.rank
+    return rank is not None and rank == len(inputs[0].shape) - 1
 
 
 def _input_shapes(inputs: Any) -> list[tuple[Any, ...]] | None:

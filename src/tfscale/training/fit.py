@@ -325,7 +325,7 @@ def fit(
     _check_input(x, steps_per_epoch)
     check_batch_size("batch_size", batch_size)
     check_batch_size("validation_batch_size", validation_batch_size)
-    check_inputs(model, x, y, validation_split)
+    check_inputs(model, x, y, validation_split, validation_data)
     check_validation(x, validation_data)
     check_pipeline_batches(model, x, batch_size)
     if isinstance(validation_data, (tuple, list)) and validation_data:
