@@ -175,6 +175,11 @@ def test_an_unbatched_dataset_is_refused_before_any_work() -> None:
         with pytest.raises(tfscale.TrainingError, match=f"The {name} dataset yields single"):
             tfscale.fit(model, unbatched, strategy=strategy_for(2), verbose=0)
         assert relative_difference(model.get_weights(), before) == 0.0
+    # A prepared model's own model.fit checks the same.
+    prepared = _model()
+    tfscale.prepare(prepared, strategy=strategy_for(2))
+    with pytest.raises(tfscale.TrainingError, match="The x dataset yields single"):
+        prepared.fit(examples[0][1], verbose=0)
     batched = tf.data.Dataset.from_tensor_slices((X, Y)).batch(16)
     with pytest.raises(tfscale.TrainingError, match="validation_data dataset yields single"):
         tfscale.fit(

@@ -138,21 +138,7 @@ def check_inputs(
                 allowed="at least one example",
             )
         )
-    for name, data in (("x", x), ("validation_data", validation_data)):
-        if isinstance(data, tf.data.Dataset) and _unbatched(model, data):
-            spec = tf.nest.map_structure(lambda s: tuple(s.shape), data.element_spec)
-            raise TrainingError(
-                explain(
-                    f"The {name} dataset yields single examples, not batches: under a "
-                    "strategy each batch is split over the replicas along its first "
-                    "dimension, which these elements do not have (TensorFlow fails with a "
-                    "bare IndexError; on one device the model gets examples of the wrong "
-                    "rank).",
-                    received=f"elements of shape {spec}",
-                    allowed="a batched dataset: every element a batch of examples",
-                    fix="batch it with the global batch size: dataset.batch(64)",
-                )
-            )
+    check_batched(model, x=x, validation_data=validation_data)
     texts = [a for a in _arrays(x) if np.asarray(a).dtype.kind in "USO"]
     if texts and not _string_inputs(model):
         raise TrainingError(
@@ -166,6 +152,30 @@ def check_inputs(
                 "the TextVectorization layer inside the model",
             )
         )
+
+
+def check_batched(model: Any, **data: Any) -> None:
+    """Datasets among ``data`` (by argument name) that yield single examples, not batches
+    (``tfscale.fit``, and a prepared model's ``model.fit``).
+
+    Raises:
+        TrainingError: The first such dataset.
+    """
+    for name, value in data.items():
+        if isinstance(value, tf.data.Dataset) and _unbatched(model, value):
+            spec = tf.nest.map_structure(lambda s: tuple(s.shape), value.element_spec)
+            raise TrainingError(
+                explain(
+                    f"The {name} dataset yields single examples, not batches: under a "
+                    "strategy each batch is split over the replicas along its first "
+                    "dimension, which these elements do not have (TensorFlow fails with a "
+                    "bare IndexError; on one device the model gets examples of the wrong "
+                    "rank).",
+                    received=f"elements of shape {spec}",
+                    allowed="a batched dataset: every element a batch of examples",
+                    fix="batch it with the global batch size: dataset.batch(64)",
+                )
+            )
 
 
 def _unbatched(model: Any, dataset: tf.data.Dataset) -> bool:

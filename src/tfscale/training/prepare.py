@@ -39,7 +39,7 @@ from tfscale.strategy_hooks import call_by_name
 from tfscale.training.adopt import adopt, has_call, model_optimizers, wrapped_optimizers
 from tfscale.training.allreduce import check_compression
 from tfscale.training.callbacks import guarded, halt_released
-from tfscale.training.checks import check_global_clipnorm, python_int
+from tfscale.training.checks import check_batched, check_global_clipnorm, python_int
 from tfscale.training.data import COPIED_FIT_ARGUMENTS, FitInputs, copied_batches
 from tfscale.training.function import StepFunction, example_count
 from tfscale.training.loop import register_loop
@@ -223,6 +223,9 @@ class Prepared:
         ``TerminateOnNaN`` among the callbacks stops quietly instead)."""
 
         def copy(arguments: dict[str, Any]) -> None:
+            check_batched(
+                self.model, x=arguments.get("x"), validation_data=arguments.get("validation_data")
+            )
             for name in COPIED_FIT_ARGUMENTS:
                 if name in arguments:
                     arguments[name] = copied_batches(arguments[name], self.strategy)
