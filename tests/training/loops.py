@@ -28,6 +28,15 @@ Transcribed, shapes kept and sizes shrunk so that they run in seconds on CPUs:
   model; the step runs under ``strategy.run`` as the tutorial distributes a step. Dense
   layers stand in for the convolutions, and the noise is read with the images instead of
   drawn by ``tf.random.normal`` (each replica draws its own: not one device's numbers).
+- ``multi_worker_loop``: TensorFlow's "Custom training loop with Keras and
+  MultiWorkerMirroredStrategy" (tensorflow/docs,
+  site/en/tutorials/distribute/multi_worker_with_ctl.ipynb): ``dataset_fn`` sharding by the
+  input context and batching by ``get_per_replica_batch_size``, the model with ``Input`` and
+  ``Reshape`` and L2 regularizers, ``distribute_datasets_from_function``, RMSprop,
+  ``train_step(iterator)`` taking ``next(iterator)`` inside the ``tf.function``,
+  ``compute_average_loss`` without a batch size + ``scale_regularization_loss``, the epoch and
+  ``step_in_epoch`` variables. Not shuffled, 12x12 images, no checkpoint manager (tested
+  elsewhere), ``tf.keras.losses.Reduction.NONE`` written as Keras 3's ``reduction=None``.
 """
 
 from __future__ import annotations
@@ -384,3 +393,86 @@ def dcgan_loop(
         generator_optimizer.iterations.numpy(),
         discriminator_optimizer.iterations.numpy(),
     ]
+
+
+def multi_worker_loop(
+    strategy: tf.distribute.Strategy,
+    prepare: Prepare,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    global_batch: int = 16,
+    epochs: int = 2,
+) -> list[np.ndarray]:
+    """The multi-worker custom-loop tutorial's loop (see the module docstring); returns the
+    trained weights and the optimizer's iterations."""
+    _seeded(17)
+    side = x.shape[1]
+
+    def dataset_fn(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
+        batch_size = input_context.get_per_replica_batch_size(global_batch)
+        dataset = tf.data.Dataset.from_tensor_slices((x[..., 0], y.astype(np.int64)))
+        dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+        return dataset.batch(batch_size)
+
+    def build_cnn_model() -> keras.Model:
+        regularizer = keras.regularizers.L2(1e-5)
+        return keras.Sequential(
+            [
+                keras.Input(shape=(side, side)),
+                keras.layers.Reshape(target_shape=(side, side, 1)),
+                keras.layers.Conv2D(4, 3, activation="relu", kernel_regularizer=regularizer),
+                keras.layers.Flatten(),
+                keras.layers.Dense(16, activation="relu", kernel_regularizer=regularizer),
+                keras.layers.Dense(10, kernel_regularizer=regularizer),
+            ]
+        )
+
+    with strategy.scope():
+        multi_worker_model = build_cnn_model()
+        multi_worker_dataset = strategy.distribute_datasets_from_function(dataset_fn)
+        optimizer = keras.optimizers.RMSprop(learning_rate=0.001)
+        train_accuracy = keras.metrics.SparseCategoricalAccuracy(name="train_accuracy")
+    if prepare is not None:
+        prepare(multi_worker_model, optimizer)  # the one added line
+
+    @tf.function
+    def train_step(iterator: Any) -> Any:
+        def step_fn(inputs: Any) -> Any:
+            x, y = inputs
+            with tf.GradientTape() as tape:
+                predictions = multi_worker_model(x, training=True)
+                per_example_loss = keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True, reduction=None
+                )(y, predictions)
+                loss = tf.nn.compute_average_loss(per_example_loss)
+                model_losses = multi_worker_model.losses
+                if model_losses:
+                    loss += tf.nn.scale_regularization_loss(tf.add_n(model_losses))
+            grads = tape.gradient(loss, multi_worker_model.trainable_variables)
+            optimizer.apply_gradients(
+                zip(grads, multi_worker_model.trainable_variables, strict=True)
+            )
+            train_accuracy.update_state(y, predictions)
+            return loss
+
+        per_replica_losses = strategy.run(step_fn, args=(next(iterator),))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica_losses, axis=None)
+
+    epoch = tf.Variable(initial_value=tf.constant(0, dtype=tf.dtypes.int64), name="epoch")
+    step_in_epoch = tf.Variable(
+        initial_value=tf.constant(0, dtype=tf.dtypes.int64), name="step_in_epoch"
+    )
+    num_steps_per_epoch = len(x) // global_batch
+    while epoch.numpy() < epochs:
+        iterator = iter(multi_worker_dataset)
+        total_loss = 0.0
+        num_batches = 0
+        while step_in_epoch.numpy() < num_steps_per_epoch:
+            total_loss += train_step(iterator)
+            num_batches += 1
+            step_in_epoch.assign_add(1)
+        train_accuracy.reset_state()
+        epoch.assign_add(1)
+        step_in_epoch.assign(0)
+    return [*multi_worker_model.get_weights(), np.asarray(optimizer.iterations.numpy())]

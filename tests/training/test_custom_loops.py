@@ -19,7 +19,15 @@ from tfscale.testing import relative_difference
 from tfscale.training.loop import loop_state
 
 from .helpers import DATA, strategy_for
-from .loops import convention_loop, dcgan_loop, guide_loop, images, tutorial_loop, user_loop
+from .loops import (
+    convention_loop,
+    dcgan_loop,
+    guide_loop,
+    images,
+    multi_worker_loop,
+    tutorial_loop,
+    user_loop,
+)
 
 pytestmark = pytest.mark.tf
 
@@ -40,6 +48,16 @@ def test_the_tutorial_loop_with_one_line_gives_one_device_weights() -> None:
     one = tutorial_loop(strategy_for(0), None, x, y)
     two = tutorial_loop(strategy_for(2), _prepare, x, y)
     assert _per_variable(two, one) <= TOLERANCE
+
+
+def test_the_multi_worker_tutorial_loop_with_one_line_gives_one_device_weights() -> None:
+    """Its input from distribute_datasets_from_function, read by next(iterator) inside the
+    tf.function (under tfscale launch: test_custom_loops_launch.py)."""
+    x, y = images(64)
+    one = multi_worker_loop(strategy_for(0), None, x, y)
+    two = multi_worker_loop(strategy_for(2), _prepare, x, y)
+    assert _per_variable(two[:-1], one[:-1]) <= TOLERANCE
+    assert int(two[-1]) == int(one[-1]) == 8
 
 
 def test_the_dcgan_tutorial_loop_gives_one_device_weights_for_both_models() -> None:

@@ -4,7 +4,8 @@ over 2 worker processes, collective all-reduce over gRPC), each with its one
 without ``Input`` and Adam, both built by the first replica step, which fails unprepared
 under the collective all-reduce), the Keras guide's and the users' loop (SGD, and Adam,
 AdamW and a LossScaleOptimizer built lazily inside ``strategy.run``), and accumulation
-over 2 batches (one all-reduce per update). And the tutorial's loop under
+over 2 batches (one all-reduce per update), and the multi-worker custom-loop tutorial's
+(``distribute_datasets_from_function`` sharded by the input context). And the tutorial's loop under
 ``tf.distribute.MirroredStrategy()``'s default (collective) all-reduce over 2 logical CPUs,
 in a child process: unchanged it fails on its first step, with the line it trains."""
 
@@ -22,7 +23,14 @@ import pytest
 from tfscale.testing import relative_difference
 
 from .helpers import DATA, strategy_for
-from .loops import convention_loop, guide_loop, images, tutorial_loop, user_loop
+from .loops import (
+    convention_loop,
+    guide_loop,
+    images,
+    multi_worker_loop,
+    tutorial_loop,
+    user_loop,
+)
 
 pytestmark = [pytest.mark.tf, pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -55,6 +63,8 @@ def test_custom_loops_under_tfscale_launch_give_one_device_weights(tmp_path: Pat
     one = strategy_for(0)
     references = {
         "tutorial": tutorial_loop(one, None, ix, iy),
+        # its last array is the optimizer's iterations: 8 on every worker
+        "multi_worker": multi_worker_loop(one, None, ix, iy),
         "guide": guide_loop(one, None, x, y),
         "user_sgd": user_loop(one, None, x[:96], y[:96], optimizer_name="sgd"),
         "user_adam": user_loop(one, None, x[:96], y[:96], optimizer_name="adam"),

@@ -27,6 +27,7 @@ from training.loops import (  # noqa: E402
     convention_loop,
     guide_loop,
     images,
+    multi_worker_loop,
     tutorial_loop,
     user_loop,
 )
@@ -47,6 +48,7 @@ def main() -> None:
     ix, iy = images(64)
     results = {
         "tutorial": tutorial_loop(strategy, prepare, ix, iy),
+        "multi_worker": multi_worker_loop(strategy, prepare, ix, iy),
         "guide": guide_loop(strategy, prepare, x, y),
         "user_sgd": user_loop(strategy, prepare, x[:96], y[:96], optimizer_name="sgd"),
         "user_adam": user_loop(strategy, prepare, x[:96], y[:96], optimizer_name="adam"),
