@@ -189,3 +189,25 @@ def test_an_unbatched_dataset_is_refused_before_any_work() -> None:
             strategy=strategy_for(2),
             verbose=0,
         )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        # Keras reads 0 as None: a whole epoch where none was asked for.
+        ({"steps_per_epoch": 0}, "steps_per_epoch must be a positive integer"),
+        ({"validation_steps": 0, "validation_split": 0.25}, "validation_steps must be a"),
+        # Keras: a bare ZeroDivisionError after the first epoch's training.
+        ({"validation_freq": 0, "validation_split": 0.25}, "validation_freq says"),
+        ({"validation_freq": [1, 0], "validation_split": 0.25}, "validation_freq says"),
+    ],
+)
+def test_step_counts_and_validation_epochs_keras_would_misread(
+    kwargs: dict[str, Any], match: str
+) -> None:
+    model = _model()
+    before = model.get_weights()
+    with pytest.raises(tfscale.TrainingError, match=match):
+        tfscale.fit(model, X, Y, batch_size=16, strategy=strategy_for(2), verbose=0, **kwargs)
+    assert relative_difference(model.get_weights(), before) == 0.0
+    assert int(model.optimizer.iterations.numpy()) == 0

@@ -88,6 +88,41 @@ def check_batch_size(name: str, value: object) -> None:
         )
 
 
+def check_steps(name: str, value: object) -> None:
+    """``steps_per_epoch`` / ``validation_steps``: None or a positive integer. Keras reads 0
+    as None: ``steps_per_epoch=0`` trained a whole epoch."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise TrainingError(
+            explain(
+                f"{name} must be a positive integer (Keras would read {value!r} as None and "
+                "run until the data ends).",
+                received=f"{name}={value!r}",
+                allowed="None (until the data ends) or an int >= 1",
+                fix=f"{name}=None",
+            )
+        )
+
+
+def check_validation_freq(value: object) -> None:
+    """``validation_freq``: every N epochs (N >= 1), or the epochs (1-based) to validate
+    after. Keras fails on 0 with a bare ``ZeroDivisionError`` after the first epoch."""
+    epochs = list(value) if isinstance(value, (list, tuple, set, frozenset, range)) else [value]
+    if not epochs or any(
+        isinstance(e, bool) or not isinstance(e, (int, np.integer)) or e < 1 for e in epochs
+    ):
+        raise TrainingError(
+            explain(
+                "validation_freq says after which epochs to validate.",
+                received=f"validation_freq={value!r}",
+                allowed="an int N >= 1 (every N epochs) or a list of epochs, each >= 1 "
+                "(counted from 1)",
+                fix="validation_freq=1",
+            )
+        )
+
+
 def _arrays(value: Any) -> list[np.ndarray]:
     return [a for a in tf.nest.flatten(value) if isinstance(a, (np.ndarray, tf.Tensor))]
 

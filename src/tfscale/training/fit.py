@@ -35,7 +35,9 @@ from tfscale.training.checks import (
     check_global_clipnorm,
     check_inputs,
     check_pipeline_batches,
+    check_steps,
     check_validation,
+    check_validation_freq,
     python_int,
 )
 from tfscale.training.coordinator import (
@@ -325,6 +327,9 @@ def fit(
     _check_input(x, steps_per_epoch)
     check_batch_size("batch_size", batch_size)
     check_batch_size("validation_batch_size", validation_batch_size)
+    check_steps("steps_per_epoch", steps_per_epoch)
+    check_steps("validation_steps", validation_steps)
+    check_validation_freq(validation_freq)
     check_inputs(model, x, y, validation_split, validation_data)
     check_validation(x, validation_data)
     check_pipeline_batches(model, x, batch_size)
