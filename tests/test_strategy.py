@@ -159,6 +159,10 @@ def test_devices_argument_is_validated() -> None:
         decide(facts, [])
     with pytest.raises(tfscale.DeviceConfigError, match="Not a device name"):
         decide(facts, ["fast-one"])
+    # A count is not a list of names (it was a bare TypeError: 'int' object is not iterable).
+    with pytest.raises(tfscale.DeviceConfigError, match=r"devices=3") as info:
+        decide(facts, 3)  # type: ignore[arg-type]
+    assert "devices=['GPU:0', 'GPU:1']" in str(info.value)
     cluster = _facts(gpus=2, cluster=_two_workers())
     assert decide(cluster, ["GPU:0"]).num_replicas == 2
     with pytest.raises(tfscale.DeviceConfigError, match="CUDA_VISIBLE_DEVICES"):

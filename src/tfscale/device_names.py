@@ -97,6 +97,16 @@ def select_devices(
         if not chosen:
             raise error(explain(f"{who}: no device is available.", received=list(available)))
         return chosen
+    if not isinstance(requested, (str, list, tuple)):
+        raise error(
+            explain(
+                f"{who}: devices= takes device names, not a count or another object.",
+                received=f"devices={requested!r}",
+                allowed="None (every GPU, else every CPU device), a name such as 'GPU:1', "
+                "or a list of names",
+                fix="devices=['GPU:0', 'GPU:1'], or devices=None",
+            )
+        )
     names = [requested] if isinstance(requested, str) else list(requested)
     by_name = {_canonical(name): name for name in available if _canonical(name)}
     wanted = [normalize_device(name, error=error) for name in names]

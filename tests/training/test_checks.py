@@ -211,3 +211,36 @@ def test_step_counts_and_validation_epochs_keras_would_misread(
         tfscale.fit(model, X, Y, batch_size=16, strategy=strategy_for(2), verbose=0, **kwargs)
     assert relative_difference(model.get_weights(), before) == 0.0
     assert int(model.optimizer.iterations.numpy()) == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        # bool() read these as yes, silently.
+        ({"remat": "all"}, "remat is a yes/no option"),
+        ({"jit_compile": "yes"}, "jit_compile is a yes/no option"),
+        ({"sync_batchnorm": 1}, "sync_batchnorm is a yes/no option"),
+        # A name, or choose_strategy()'s answer itself: a bare AttributeError before.
+        ({"strategy": "mirrored"}, "strategy= takes a tf.distribute.Strategy"),
+    ],
+)
+def test_options_of_the_wrong_kind_are_refused_before_any_work(
+    kwargs: dict[str, Any], match: str
+) -> None:
+    for train in (
+        lambda model: tfscale.fit(model, X, Y, batch_size=16, verbose=0, **kwargs),
+        lambda model: tfscale.prepare(model, **kwargs),
+    ):
+        model = _model()
+        with pytest.raises(tfscale.TrainingError, match=match):
+            train(model)
+        assert int(model.optimizer.iterations.numpy()) == 0
+
+
+def test_a_strategy_choice_given_as_the_strategy_is_refused_naming_its_strategy() -> None:
+    choice = tfscale.choose_strategy()
+    with pytest.raises(tfscale.TrainingError, match=r"strategy=choice\.strategy"):
+        tfscale.fit(_model(), X, Y, batch_size=16, verbose=0, strategy=choice)
+    model = _model()  # "auto" is compile()'s own setting: accepted
+    tfscale.fit(model, X, Y, batch_size=16, verbose=0, jit_compile="auto", strategy=choice.strategy)
+    assert int(model.optimizer.iterations.numpy()) == 4

@@ -46,7 +46,8 @@ from tfscale.training.coordinator import (
     refuse_unsupported,
 )
 from tfscale.training.data import agreed_seed, finite_length, num_workers, plan_inputs
-from tfscale.training.prepare import check_model, prepare, prepared, resolve_strategy
+from tfscale.training.options import check_switch, resolve_strategy
+from tfscale.training.prepare import check_model, prepare, prepared
 
 __all__ = ["AUTO_STEPS_PER_EXECUTION", "auto_steps_per_execution", "fit"]
 
@@ -327,6 +328,9 @@ def fit(
     _check_input(x, steps_per_epoch)
     check_batch_size("batch_size", batch_size)
     check_batch_size("validation_batch_size", validation_batch_size)
+    for name, value in (("remat", remat), ("sync_batchnorm", sync_batchnorm)):
+        check_switch(name, value)
+    check_switch("jit_compile", jit_compile, auto=True)
     check_steps("steps_per_epoch", steps_per_epoch)
     check_steps("validation_steps", validation_steps)
     check_validation_freq(validation_freq)

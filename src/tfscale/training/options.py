@@ -12,12 +12,38 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from tfscale.training.allreduce import Compression
 from tfscale.training.precision import Precision, resolve_precision
 
-__all__ = ["Options", "resolve_strategy"]
+__all__ = ["Options", "check_switch", "resolve_strategy"]
+
+
+def check_switch(name: str, value: object, auto: bool = False) -> None:
+    """A yes/no option (``remat``, ``sync_batchnorm``, ``jit_compile``): a bool; with
+    ``auto``, also None or ``"auto"`` (the model's own ``compile`` setting). Anything else
+    was read as yes or no by ``bool()``, silently.
+
+    Raises:
+        TrainingError: Another value.
+    """
+    from tfscale.errors import TrainingError, explain
+
+    if isinstance(value, (bool, np.bool_)):
+        return
+    if auto and (value is None or (isinstance(value, str) and value == "auto")):
+        return
+    raise TrainingError(
+        explain(
+            f"{name} is a yes/no option.",
+            received=f"{name}={value!r}",
+            allowed="True or False"
+            + (", or None / 'auto' (the model's compile setting)" if auto else ""),
+            fix=f"{name}=True",
+        )
+    )
 
 
 @dataclass(frozen=True)
@@ -48,8 +74,31 @@ class Options:
 
 def resolve_strategy(model: Any, strategy: tf.distribute.Strategy | None) -> Any:
     """The strategy to train with: ``strategy_in_effect`` (explicit, the active scope's, the
-    model's own), else ``tfscale.choose_strategy()`` over every device."""
+    model's own), else ``tfscale.choose_strategy()`` over every device.
+
+    Raises:
+        TrainingError: ``strategy`` is neither None nor a ``tf.distribute.Strategy`` (a
+            ``StrategyChoice`` or a name).
+    """
+    from tfscale.errors import TrainingError, explain
     from tfscale.strategy import choose_strategy, strategy_in_effect
+
+    if strategy is not None and not isinstance(strategy, tf.distribute.Strategy):
+        given = type(strategy).__name__
+        fix = (
+            "strategy=choice.strategy, where choice = tfscale.choose_strategy()"
+            if hasattr(strategy, "strategy")
+            else "strategy=tf.distribute.MirroredStrategy(), or leave strategy=None: "
+            "tfscale.choose_strategy() decides"
+        )
+        raise TrainingError(
+            explain(
+                "strategy= takes a tf.distribute.Strategy.",
+                received=f"strategy={strategy!r} ({given})",
+                allowed="None, or a tf.distribute.Strategy object",
+                fix=fix,
+            )
+        )
 
     found = strategy_in_effect(model, strategy)
     return found if found is not None else choose_strategy().strategy

@@ -44,7 +44,7 @@ from tfscale.training.data import COPIED_FIT_ARGUMENTS, FitInputs, copied_batche
 from tfscale.training.function import StepFunction, example_count
 from tfscale.training.loop import register_loop
 from tfscale.training.optimizer import DistributedUpdate, distributed_update
-from tfscale.training.options import Options, resolve_strategy
+from tfscale.training.options import Options, check_switch, resolve_strategy
 from tfscale.training.precision import Precision, apply_policy, resolve_precision
 
 __all__ = ["Options", "Prepared", "prepare", "prepared", "resolve_strategy"]
@@ -419,12 +419,16 @@ def prepare(
     if bucket_bytes is not None:
         _positive_int("bucket_bytes", bucket_bytes)
     compression = check_compression(gradient_compression)
+    check_switch("remat", remat)
+    check_switch("sync_batchnorm", sync_batchnorm)
+    check_switch("jit_compile", jit_compile, auto=True)
     precision = resolve_precision(mixed_precision)
     strategy = resolve_strategy(model, strategy)
     own_check = getattr(model, "check_strategy", None)  # a model placed over devices by hand
     if callable(own_check):
         own_check(strategy)
-    jit = bool(model.jit_compile) if jit_compile is None else bool(jit_compile)
+    own = jit_compile is None or isinstance(jit_compile, str)  # None, "auto": compile()'s
+    jit = bool(model.jit_compile) if own else bool(jit_compile)
     options = Options(
         accumulation_steps=accumulation_steps,
         clipnorm=global_clipnorm,
