@@ -25,10 +25,15 @@ __all__ = [
     "adopt",
     "all_variables",
     "has_call",
+    "keras_accumulation_steps",
     "model_optimizers",
     "outside_variables",
     "wrapped_optimizers",
 ]
+
+
+# keras.optimizers.MultiOptimizer is new in Keras 3.15; an empty tuple matches nothing before.
+_MULTI_OPTIMIZER: Any = getattr(keras.optimizers, "MultiOptimizer", ())
 
 
 def has_call(model: Any) -> bool:
@@ -78,6 +83,15 @@ def wrapped_optimizers(optimizer: Any) -> list[Any]:
 
     add(optimizer)
     return list(found.values())
+
+
+def keras_accumulation_steps(optimizer: Any) -> int:
+    """Keras's own ``gradient_accumulation_steps`` set on the optimizer or any it wraps (0:
+    none); tfscale refuses it for its own ``accumulation_steps``."""
+    return max(
+        (getattr(o, "gradient_accumulation_steps", None) or 0)
+        for o in wrapped_optimizers(optimizer)
+    )
 
 
 def all_variables(model: Any, optimizers: Sequence[Any] = ()) -> list[Any]:
@@ -186,10 +200,6 @@ def adopt(model: Any, strategy: tf.distribute.Strategy, optimizers: Sequence[Any
         if isinstance(optimizer, _MULTI_OPTIMIZER) and not optimizer.built:
             _strategy_for_chosen(optimizer, strategy)
     return len(outside)
-
-
-# keras.optimizers.MultiOptimizer is new in Keras 3.15; an empty tuple matches nothing before.
-_MULTI_OPTIMIZER: Any = getattr(keras.optimizers, "MultiOptimizer", ())
 
 
 def _strategy_for_chosen(optimizer: Any, strategy: tf.distribute.Strategy) -> None:

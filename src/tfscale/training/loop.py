@@ -39,7 +39,7 @@ import tensorflow as tf
 from tfscale import internals
 from tfscale.errors import TrainingError, explain
 from tfscale.training import conventions
-from tfscale.training.adopt import adopt, wrapped_optimizers
+from tfscale.training.adopt import adopt, keras_accumulation_steps
 from tfscale.training.allreduce import check_compression
 from tfscale.training.checks import check_global_clipnorm, python_int
 from tfscale.training.conventions import DECLARED, Declared, Weighting
@@ -241,10 +241,7 @@ def _check(model: Any, optimizer: Any, loss: object, accumulation_steps: object)
                 allowed="an int >= 1",
             )
         )
-    steps = max(
-        (getattr(o, "gradient_accumulation_steps", None) or 0)
-        for o in wrapped_optimizers(optimizer)
-    )
+    steps = keras_accumulation_steps(optimizer)
     if steps:
         raise TrainingError(
             explain(

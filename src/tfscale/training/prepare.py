@@ -36,7 +36,7 @@ import tensorflow as tf
 from tfscale import internals
 from tfscale.errors import TfscaleError, TrainingError, explain
 from tfscale.strategy_hooks import call_by_name
-from tfscale.training.adopt import adopt, has_call, model_optimizers, wrapped_optimizers
+from tfscale.training.adopt import adopt, has_call, keras_accumulation_steps, model_optimizers
 from tfscale.training.allreduce import check_compression
 from tfscale.training.callbacks import guarded, halt_released
 from tfscale.training.checks import check_batched, check_global_clipnorm, python_int
@@ -76,10 +76,7 @@ def check_model(model: Any) -> None:
             )
         )
     for optimizer in model_optimizers(model):
-        steps = max(
-            (getattr(o, "gradient_accumulation_steps", None) or 0)
-            for o in wrapped_optimizers(optimizer)
-        )
+        steps = keras_accumulation_steps(optimizer)
         if steps:
             raise TrainingError(
                 explain(
