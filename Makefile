@@ -63,7 +63,8 @@ test: venv
 
 # The lowest TensorFlow and Keras that pyproject.toml declares, in a second virtualenv: every
 # private name and per-instance override tfscale relies on (test_internals), the declared
-# bounds (test_versions), several steps per call (Keras's callback hooks and loop), the
+# bounds (test_versions), a model trained or loaded outside the scope moved in with its
+# optimizer's tables (test_adopt), several steps per call (Keras's callback hooks and loop), the
 # release of every iterator a fit makes (Keras's epoch iterator, validation's), and a
 # share of the equivalence, XLA and parity suites chosen for the version-sensitive paths
 # (metrics over replicas, the symbolic build, compute_loss, the optimizer update, loss
