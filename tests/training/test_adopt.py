@@ -1,6 +1,6 @@
-"""A model trained, or saved and loaded, outside any strategy continues under tfscale as it
-would on one device: ``adopt`` moves its variables into the strategy and its optimizer's state
-and tables with them.
+"""A model trained, or saved and loaded, outside any strategy (or under another one) continues
+under tfscale as it would on one device: ``adopt`` moves its variables into the strategy and
+its optimizer's state and tables with them.
 
 Each case trains the first epoch outside any scope and the second under ``tfscale.fit`` (or a
 prepared custom loop) on 2 replicas, and compares with one device training both epochs.
@@ -131,4 +131,15 @@ def test_a_loop_optimizer_stepped_outside_the_scope_continues_in_a_prepared_loop
     tfscale.prepare_loop(model, optimizer, strategy=strategy)
     steps(model, optimizer, epochs=1, strategy=strategy)
     assert int(optimizer.iterations.numpy()) == 16
+    assert relative_difference(model.get_weights(), expected.get_weights()) <= TOLERANCE
+
+
+def test_a_model_trained_on_one_strategy_continues_on_another() -> None:
+    """Two replicas, then four (more devices, or an explicit strategy after the chosen one):
+    the second strategy moves the variables again, and the optimizer's tables with them."""
+    expected = _one_device(BUILDS["adam"], epochs=2)
+    model = BUILDS["adam"]()
+    tfscale.fit(model, batches(*DATA, BATCH), strategy=strategy_for(2), verbose=0)
+    tfscale.fit(model, batches(*DATA, BATCH), strategy=strategy_for(4), verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 16
     assert relative_difference(model.get_weights(), expected.get_weights()) <= TOLERANCE
