@@ -65,6 +65,9 @@ def _names_the_variables_built_outside_the_scope(out: str) -> None:
     assert "The CPU was split into 2 logical devices" in out
     assert "MirroredStrategy never ran a step" in out
     assert "with strategy.scope():" in out and "tfscale.fix_scope(model, strategy)" in out
+    # The fixes for a saved model and for tfscale.fit, which now moves a trained one in too.
+    assert "keras.models.load_model(path) inside the scope" in out
+    assert "tfscale.fit(model, ...), which moves it in" in out
     assert "OK:" not in out
 
 

@@ -375,7 +375,9 @@ _FIX = (
     "    with strategy.scope():\n"
     "        model = build_model()\n"
     "        model.compile(...)\n"
-    "or repair a built model with model = tfscale.fix_scope(model, strategy)."
+    "(a saved model: model = keras.models.load_model(path) inside the scope), "
+    "or repair a built model with model = tfscale.fix_scope(model, strategy), "
+    "or train it with tfscale.fit(model, ...), which moves it in."
 )
 _LOOP_FIX = (
     "add one line after the model and its optimizer are created:\n"
