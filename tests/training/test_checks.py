@@ -244,3 +244,33 @@ def test_a_strategy_choice_given_as_the_strategy_is_refused_naming_its_strategy(
     model = _model()  # "auto" is compile()'s own setting: accepted
     tfscale.fit(model, X, Y, batch_size=16, verbose=0, jit_compile="auto", strategy=choice.strategy)
     assert int(model.optimizer.iterations.numpy()) == 4
+
+
+def test_sparse_labels_outside_the_classes_are_refused_before_any_work() -> None:
+    """On a CPU TensorFlow's kernel fails at the first step, buried in a graph traceback; on a
+    GPU it does not check, and the loss is NaN or wrong (tf.nn.sparse_softmax_cross_entropy's
+    documentation)."""
+
+    def classifier(**loss: Any) -> keras.Model:
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+        cross_entropy = keras.losses.SparseCategoricalCrossentropy(from_logits=True, **loss)
+        model.compile("adam", cross_entropy)
+        return model
+
+    counted_from_one = np.random.default_rng(3).integers(1, 4, size=64)  # 1..3, not 0..2
+    for kwargs, name in (
+        ({"x": X, "y": counted_from_one}, "y"),
+        ({"x": X, "y": counted_from_one - 1, "validation_data": (X, counted_from_one)}, "v"),
+    ):
+        model = classifier()
+        with pytest.raises(tfscale.TrainingError, match=r"outside the model's 3 classes") as info:
+            tfscale.fit(model, batch_size=16, strategy=strategy_for(2), verbose=0, **kwargs)
+        assert str(info.value).startswith("y holds" if name == "y" else "validation_data holds")
+        assert "y - 1" in str(info.value)
+        assert int(model.optimizer.iterations.numpy()) == 0
+    # Labels equal to the loss's ignore_class are not classes: accepted, and trained.
+    padded = np.where(np.arange(64) % 4 == 0, -1, counted_from_one - 1)
+    model = classifier(ignore_class=-1)
+    tfscale.fit(model, X, padded, batch_size=16, strategy=strategy_for(2), verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 4

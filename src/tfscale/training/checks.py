@@ -174,6 +174,7 @@ def check_inputs(
             )
         )
     check_batched(model, x=x, validation_data=validation_data)
+    check_labels(model, y=y, validation_data=validation_data)
     texts = [a for a in _arrays(x) if np.asarray(a).dtype.kind in "USO"]
     if texts and not _string_inputs(model):
         raise TrainingError(
@@ -185,6 +186,58 @@ def check_inputs(
                 "(e.g. followed by keras.layers.TextVectorization)",
                 fix="vectorize first: ids = keras.layers.TextVectorization(...)(texts), or put "
                 "the TextVectorization layer inside the model",
+            )
+        )
+
+
+def _sparse_classes(model: Any) -> tuple[int, Any] | None:
+    """``(classes, ignore_class)`` when the model's one loss is a sparse categorical
+    cross-entropy on its one output, whose width is known; None otherwise."""
+    loss = getattr(model, "loss", None)
+    name = loss if isinstance(loss, str) else getattr(loss, "name", getattr(loss, "__name__", ""))
+    outputs = getattr(model, "outputs", None) or []
+    if name != "sparse_categorical_crossentropy" or len(outputs) != 1:
+        return None
+    classes = outputs[0].shape[-1]
+    return None if classes is None else (int(classes), getattr(loss, "ignore_class", None))
+
+
+def check_labels(model: Any, **labels: Any) -> None:
+    """Integer label arrays outside a sparse categorical model's classes (``y`` and
+    ``validation_data``'s labels, by argument name).
+
+    TensorFlow's CPU kernel stops at the first step with an error buried in a graph
+    traceback; its GPU kernel does not check, and the loss is NaN or wrong.
+
+    Raises:
+        TrainingError: Labels below 0 or at least the number of classes.
+    """
+    found = _sparse_classes(model)
+    if found is None:
+        return
+    classes, ignored = found
+    for name, value in labels.items():
+        if name == "validation_data":
+            held = isinstance(value, (tuple, list)) and len(value) > 1
+            value = value[1] if held else None
+        if not isinstance(value, np.ndarray) or value.dtype.kind not in "iu" or not value.size:
+            continue
+        kept = value[value != ignored] if ignored is not None else value
+        if not kept.size or (kept.min() >= 0 and kept.max() < classes):
+            continue
+        outside = int(np.count_nonzero((kept < 0) | (kept >= classes)))
+        raise TrainingError(
+            explain(
+                f"{name} holds labels outside the model's {classes} classes: a sparse "
+                f"categorical cross-entropy needs each label in 0..{classes - 1} (on a GPU "
+                "TensorFlow does not check, and the loss is NaN or wrong).",
+                received=f"labels from {kept.min()} to {kept.max()} ({outside} of "
+                f"{kept.size} outside 0..{classes - 1})",
+                allowed=f"integers 0..{classes - 1}"
+                + ("" if ignored is None else f", and ignore_class={ignored}"),
+                fix=f"labels counted from 1: y - 1; {int(kept.max()) + 1} classes: a last "
+                f"layer of {int(kept.max()) + 1} units; one-hot labels: "
+                "loss='categorical_crossentropy'",
             )
         )
 
