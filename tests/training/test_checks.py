@@ -274,3 +274,33 @@ def test_sparse_labels_outside_the_classes_are_refused_before_any_work() -> None
     model = classifier(ignore_class=-1)
     tfscale.fit(model, X, padded, batch_size=16, strategy=strategy_for(2), verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 4
+
+
+class ClippingStep(keras.Model):  # type: ignore[misc]
+    """keras-io's "customizing fit" train_step, with the gradient clipped in the step."""
+
+    def train_step(self, data: Any) -> Any:
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        grads, _ = tf.clip_by_global_norm(grads, 1.0)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+def test_a_train_step_clipping_each_replicas_gradient_is_refused_on_two_replicas() -> None:
+    def model() -> keras.Model:
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((6,))
+        built = ClippingStep(inputs, keras.layers.Dense(1)(inputs))
+        built.compile(keras.optimizers.SGD(0.1), "mse")
+        return built
+
+    refused = model()
+    with pytest.raises(tfscale.TrainingError, match=r"tf\.clip_by_global_norm"):
+        tfscale.fit(refused, X, Y, batch_size=16, strategy=strategy_for(2), verbose=0)
+    assert int(refused.optimizer.iterations.numpy()) == 0
+    alone = model()  # one replica clips the whole batch's gradient, as one device does
+    tfscale.fit(alone, X, Y, batch_size=16, strategy=strategy_for(1), verbose=0)
+    assert int(alone.optimizer.iterations.numpy()) == 4

@@ -444,3 +444,53 @@ def test_an_optimizer_prepared_for_another_strategy_is_refused_at_its_first_appl
             run(x)
     assert "tfscale.prepare_loop(model, optimizer, strategy)" in str(info.value)
     assert relative_difference(model.get_weights(), before) == 0.0
+
+
+def _clipping_loop(strategy: Any, clip: str | None, prepare: bool, **options: Any) -> Any:
+    """A loop that clips the gradient in the replica's step (``clip``: the tf function), or
+    leaves clipping to the optimizer's ``global_clipnorm`` (``clip`` None)."""
+    x, y = DATA
+    with strategy.scope():
+        keras.utils.set_random_seed(5)
+        model = keras.Sequential([keras.Input((x.shape[1],)), keras.layers.Dense(4)])
+        optimizer = keras.optimizers.SGD(0.5, global_clipnorm=None if clip else 0.5)
+    if prepare:
+        tfscale.prepare_loop(model, optimizer, strategy, **options)
+    loss_of = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+    def step(xb: Any, yb: Any) -> None:
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(loss_of(yb, model(xb)), global_batch_size=32)
+        grads = tape.gradient(loss, model.trainable_variables)
+        if clip == "clip_by_global_norm":
+            grads, _ = tf.clip_by_global_norm(grads, 0.5)
+        elif clip == "clip_by_value":
+            grads = [tf.clip_by_value(g, -0.05, 0.05) for g in grads]
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+
+    data = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x[:128], y[:128])).batch(32)
+    )
+    run = tf.function(lambda xb, yb: strategy.run(step, args=(xb, yb)))
+    for xb, yb in data:
+        run(xb, yb)
+    return model.get_weights(), optimizer
+
+
+@pytest.mark.parametrize("clip", ["clip_by_global_norm", "clip_by_value"])
+def test_a_gradient_clipped_in_each_replica_is_refused_and_the_optimizers_clip_is_exact(
+    clip: str,
+) -> None:
+    """Clipping each replica's share and then summing is not clipping the sum: unprepared,
+    the loop's weights are silently not one device's. Prepared, the clip is refused by name
+    before any update, and the optimizer's own global_clipnorm gives one device's weights."""
+    one, _ = _clipping_loop(strategy_for(0), clip, prepare=False)
+    unprepared, _ = _clipping_loop(strategy_for(2), clip, prepare=False)
+    assert _per_variable(unprepared, one) > 1e-3  # the silent difference
+    with pytest.raises(tfscale.TrainingError, match=f"tf.{clip}") as info:
+        _clipping_loop(strategy_for(2), clip, prepare=True)
+    assert "global_clipnorm=1.0" in str(info.value)
+    expected, _ = _clipping_loop(strategy_for(0), None, prepare=False)
+    got, optimizer = _clipping_loop(strategy_for(2), None, prepare=True)
+    assert _per_variable(got, expected) <= TOLERANCE
+    assert int(optimizer.iterations.numpy()) == 4
