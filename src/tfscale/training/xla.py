@@ -217,26 +217,20 @@ def check_compilable(model: Any, data_spec: Any) -> None:
         function = tf.function(forward_backward, jit_compile=True, autograph=False)
         function.experimental_get_compiler_ir(x)(stage="hlo")
 
+    # Traced in cross-replica context, a training-mode state update (batch normalization's
+    # moving statistics) writes every replica's copy, which one XLA cluster cannot reach: the
+    # inference pass is lowered instead. A layer that draws random numbers in inference too
+    # (keras-io's VAE sampling layer) advances its seed generator's state in either pass:
+    # then nothing is left to lower here, and the first step compiles each replica's step
+    # and refuses it there, before any update (StepFunction).
     try:
-        try:
-            trial(training=True)
-        except ValueError as error:
-            if "located in device" not in str(error):
-                raise
-            # Traced in cross-replica context, a training-mode state update (batch
-            # normalization's moving statistics) writes every replica's copy, which one XLA
-            # cluster cannot reach: lower the inference pass instead (the first step checks
-            # the rest).
+        for training in (True, False):
             try:
-                trial(training=False)
-            except ValueError as again:
-                if "located in device" not in str(again):
+                trial(training=training)
+                break
+            except ValueError as error:
+                if "located in device" not in str(error):
                     raise
-                # A layer that draws random numbers in inference too (keras-io's VAE sampling
-                # layer) advances its seed generator's state, every replica's copy, in either
-                # pass: nothing is left to lower here. The first step compiles each replica's
-                # step and refuses it there, before any update (StepFunction).
-                return
     except Exception as error:
         if is_xla_failure(error):
             raise xla_error(model, error) from None
