@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tfscale.launch.elastic import CheckpointNote, write_checkpoint_note
+from tfscale.cluster.notes import CheckpointNote, write_checkpoint_note
 from tfscale.launch.slurm import sbatch_script
 from tfscale.launch.slurm_elastic import (
     StepState,

@@ -127,8 +127,8 @@ def test_crash_mid_epoch_resumes_from_the_last_step_checkpoint(
 ) -> None:
     import tensorflow as tf
 
-    from tfscale.launch.elastic import Drop, elastic_line, read_checkpoint_note
-    from tfscale.launch.together import REPORT_ENV
+    from tfscale.cluster.notes import REPORT_ENV, read_checkpoint_note
+    from tfscale.launch.elastic import Drop, elastic_line
 
     x, y = DATA
     strategy = strategy_for(2)

@@ -272,15 +272,11 @@ def _profiled(args: argparse.Namespace, script: tuple[str, ...]) -> tuple[str, .
 
 
 def _local(args: argparse.Namespace, script: tuple[str, ...]) -> int:
-    from tfscale.launch.elastic import elastic_line, read_checkpoint_note
+    from tfscale.cluster.notes import REPORT_ENV, read_checkpoint_note
+    from tfscale.launch.elastic import elastic_line
     from tfscale.launch.local import run_local_job
     from tfscale.launch.plan import LocalJob
-    from tfscale.launch.together import (
-        NOT_TOGETHER_STATUS,
-        REPORT_ENV,
-        final_line,
-        read_verdicts,
-    )
+    from tfscale.launch.together import NOT_TOGETHER_STATUS, final_line, read_verdicts
 
     workers = 2 if args.workers is None else args.workers
     job = LocalJob(
@@ -419,8 +415,8 @@ def _slurm(args: argparse.Namespace, script: tuple[str, ...]) -> int:
 
 
 def _next_step(args: argparse.Namespace) -> int:
+    from tfscale.cluster.notes import REPORT_ENV
     from tfscale.launch.slurm_elastic import next_step
-    from tfscale.launch.together import REPORT_ENV
 
     status, options, line = next_step(
         args.next_step,

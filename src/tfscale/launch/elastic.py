@@ -19,30 +19,18 @@ the checkpoint's position counts global batches, so M workers resume at the batc
 workers stopped at, with the same global batches (docs/launch.md, "Elastic jobs").
 
 The chief's ``tfscale.fit`` leaves where its latest checkpoint is in the job's report folder
-(:func:`write_checkpoint_note`), so the launcher's last line can say where to resume from.
+(``cluster/notes.py``), so the launcher's last line can say where to resume from.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-__all__ = [
-    "CHECKPOINT_NOTE",
-    "CheckpointNote",
-    "Drop",
-    "elastic_line",
-    "read_checkpoint_note",
-    "slot_to_drop",
-    "write_checkpoint_note",
-]
+from tfscale.cluster.notes import CheckpointNote
 
-#: The file, in the job's report folder, where the chief notes its latest checkpoint (not a
-#: ``.json``: those are the workers' verdicts, ``launch/together.py``).
-CHECKPOINT_NOTE = "checkpoint.note"
+__all__ = ["Drop", "elastic_line", "slot_to_drop"]
 
 _Slot = TypeVar("_Slot")
 
@@ -85,44 +73,6 @@ def slot_to_drop(failed_slots: Sequence[_Slot | None], max_restarts: int) -> _Sl
     if len(slots) != 1:
         return None
     return next(iter(slots))
-
-
-@dataclass(frozen=True)
-class CheckpointNote:
-    """Where the chief's latest checkpoint is (``tfscale.fit(checkpoint_dir=...)``).
-
-    Attributes:
-        directory: The checkpoint folder.
-        path: The latest checkpoint's prefix.
-        epoch: The epoch it resumes at.
-        batches: Global batches of that epoch already trained.
-        updates: ``optimizer.iterations`` at the save.
-    """
-
-    directory: str
-    path: str
-    epoch: int
-    batches: int
-    updates: int
-
-
-def write_checkpoint_note(folder: str, note: CheckpointNote) -> None:
-    """Notes ``note`` in ``folder`` (replaced atomically: the launcher may read it any time)."""
-    target = os.path.join(folder, CHECKPOINT_NOTE)
-    partial = target + ".partial"
-    with open(partial, "w", encoding="utf-8") as handle:
-        json.dump(note.__dict__, handle)
-    os.replace(partial, target)
-
-
-def read_checkpoint_note(folder: str) -> CheckpointNote | None:
-    """The note in ``folder``, or None when the job wrote none (or it cannot be read)."""
-    try:
-        with open(os.path.join(folder, CHECKPOINT_NOTE), encoding="utf-8") as handle:
-            data: Mapping[str, object] = json.load(handle)
-        return CheckpointNote(**data)  # type: ignore[arg-type]
-    except (OSError, ValueError, TypeError):
-        return None
 
 
 def _said(drop: Drop) -> str:

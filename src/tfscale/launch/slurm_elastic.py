@@ -27,8 +27,9 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
+from tfscale.cluster.notes import read_checkpoint_note
 from tfscale.hostlist import expand_hostlist
-from tfscale.launch.elastic import Drop, elastic_line, read_checkpoint_note, slot_to_drop
+from tfscale.launch.elastic import Drop, elastic_line, slot_to_drop
 
 __all__ = [
     "NextStep",

@@ -18,7 +18,6 @@ __all__ = [
     "LABEL_ENV",
     "NOT_TOGETHER_STATUS",
     "PORT_TAKEN_STATUS",
-    "REPORT_ENV",
     "Verdict",
     "alone_reason",
     "final_line",
@@ -26,8 +25,6 @@ __all__ = [
     "write_verdict",
 ]
 
-#: The folder where workers leave their verdicts (set by the launcher for each job).
-REPORT_ENV = "TFSCALE_LAUNCH_REPORT_DIR"
 #: The task's label, ``worker 1`` or ``chief 0``.
 LABEL_ENV = "TFSCALE_LAUNCH_TASK"
 #: The exit status of a worker that would not train with the others (sysexits' EX_CONFIG):

@@ -27,11 +27,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from tfscale.cluster.notes import REPORT_ENV
 from tfscale.launch.together import (
     LABEL_ENV,
     NOT_TOGETHER_STATUS,
     PORT_TAKEN_STATUS,
-    REPORT_ENV,
     Verdict,
     alone_reason,
     write_verdict,
@@ -76,7 +76,7 @@ class _Job:
         raise SystemExit(NOT_TOGETHER_STATUS)
 
     def built(self, strategy: Any) -> None:
-        from tfscale.training.data import num_workers
+        from tfscale.strategy.current import num_workers
 
         reason = alone_reason(
             type(strategy).__name__, num_workers(strategy), self.workers, self.parameter_servers

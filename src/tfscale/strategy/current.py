@@ -13,7 +13,7 @@ from typing import Any
 
 from tfscale import internals
 
-__all__ = ["strategy_in_effect"]
+__all__ = ["num_workers", "strategy_in_effect"]
 
 
 def strategy_in_effect(model: Any, strategy: Any = None) -> Any:
@@ -25,3 +25,12 @@ def strategy_in_effect(model: Any, strategy: Any = None) -> Any:
     if tf.distribute.has_strategy():
         return tf.distribute.get_strategy()
     return internals.model_strategy(model)
+
+
+def num_workers(strategy: Any) -> int:
+    """Worker processes (chief included) the strategy's cluster spans; 1 without a cluster."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None:
+        return 1
+    spec = resolver.cluster_spec().as_dict()
+    return max(1, len(spec.get("worker", [])) + len(spec.get("chief", [])))

@@ -27,9 +27,8 @@ import keras
 import tensorflow as tf
 
 from tfscale import internals
+from tfscale.cluster.notes import REPORT_ENV, CheckpointNote, write_checkpoint_note
 from tfscale.errors import TrainingError, explain
-from tfscale.launch.elastic import CheckpointNote, write_checkpoint_note
-from tfscale.launch.together import REPORT_ENV
 from tfscale.training.adopt import all_variables
 from tfscale.training.prepare import prepared
 

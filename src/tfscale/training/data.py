@@ -32,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfscale import internals
+from tfscale.strategy.current import num_workers
 
 __all__ = [
     "COPIED_FIT_ARGUMENTS",
@@ -45,20 +46,10 @@ __all__ = [
     "generator_kind",
     "is_copied",
     "is_dataset_fn",
-    "num_workers",
     "plan_inputs",
     "released_in_background",
     "replica_lengths",
 ]
-
-
-def num_workers(strategy: tf.distribute.Strategy) -> int:
-    """Worker processes (chief included) the strategy's cluster spans; 1 without a cluster."""
-    resolver = getattr(strategy, "cluster_resolver", None)
-    if resolver is None:
-        return 1
-    spec = resolver.cluster_spec().as_dict()
-    return max(1, len(spec.get("worker", [])) + len(spec.get("chief", [])))
 
 
 def _sharded(dataset: tf.data.Dataset, strategy: tf.distribute.Strategy) -> tf.data.Dataset:

@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfscale.errors import TrainingError, explain
+from tfscale.strategy.current import num_workers
 from tfscale.training.callbacks import ExactSteps, is_chief, watches_batches
 from tfscale.training.checkpoint import (
     CheckpointCallback,
@@ -46,7 +47,7 @@ from tfscale.training.coordinator import (
     is_parameter_server,
     refuse_unsupported,
 )
-from tfscale.training.data import agreed_seed, finite_length, num_workers, plan_inputs
+from tfscale.training.data import agreed_seed, finite_length, plan_inputs
 from tfscale.training.options import check_switch, resolve_strategy
 from tfscale.training.prepare import check_model, prepare_model
 

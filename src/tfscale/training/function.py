@@ -43,7 +43,7 @@ import tensorflow as tf
 
 from tfscale import internals
 from tfscale.errors import TrainingError, explain
-from tfscale.training.data import num_workers
+from tfscale.strategy.current import num_workers
 from tfscale.training.layercalls import layer_calls
 from tfscale.training.optimizer import step_context
 from tfscale.training.xla import check_compilable, compiled_step, is_xla_failure, xla_error

@@ -13,7 +13,7 @@ import signal
 import sys
 import time
 
-from tfscale.launch.elastic import CheckpointNote, write_checkpoint_note
+from tfscale.cluster.notes import CheckpointNote, write_checkpoint_note
 
 out_dir, die_label, finish_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
 config = json.loads(os.environ["TF_CONFIG"])
