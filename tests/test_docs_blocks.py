@@ -175,10 +175,21 @@ def test_every_python_block_of_the_docs_is_marked_runnable_or_fragment() -> None
     )
 
 
-def test_the_readme_opens_with_a_runnable_quickstart() -> None:
+def test_the_readme_opens_with_install_and_a_runnable_quickstart() -> None:
+    lines = (ROOT / "README.md").read_text().splitlines()
     readme = [b for b in BLOCKS if b.doc == "README.md"]
     assert readme and readme[0].kind == "runnable", "README.md's first Python block must run"
-    assert len(Path(ROOT / "README.md").read_text().splitlines()) <= 250
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines; #39 holds it to 250"
+    assert "## Install" in lines[:60], "README.md's install section must be in its first 60 lines"
+
+
+def test_each_question_of_the_readme_shows_its_snippet_within_a_screen_of_its_heading() -> None:
+    lines = (ROOT / "README.md").read_text().splitlines()
+    questions = [i for i, line in enumerate(lines) if re.match(r"## [1-4]\. ", line)]
+    assert len(questions) == 4, [lines[i] for i in questions]
+    for i in questions:
+        fence = next((j for j in range(i, len(lines)) if _FENCE.match(lines[j])), len(lines))
+        assert fence - i <= 30, f"{lines[i]!r}: its first snippet is {fence - i} lines below"
 
 
 @pytest.mark.multiprocess
