@@ -1,4 +1,4 @@
-"""Prints the parity figures the README quotes: cases, exact passes, known differences.
+"""Prints the parity figures docs/training.md quotes: cases, exact passes, known differences.
 
 Run from the repository root (it trains every case, a few minutes on 2 CPU cores)::
 
