@@ -112,8 +112,8 @@ class FitInputs:
     Whatever Keras has dropped is handed to :func:`released_in_background` when the next one
     comes, and the rest when the fit ends (:meth:`release`). Destroying an iterator can leave
     the caller idle for up to 60 s: its autotuning thread can miss the wake-up and sleep out
-    its period, which grows with the iterator's age (docs/ARCHITECTURE.md, known problems),
-    so each validation epoch could start that much late.
+    its period, which grows with the iterator's age (docs/training.md, "Releasing tf.data
+    iterators off your thread"), so each validation epoch could start that much late.
     """
 
     # The references to an object that only this one holds, as hold counts them: the

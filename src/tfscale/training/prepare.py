@@ -158,9 +158,9 @@ def _drop_loop_locals(error: BaseException) -> None:
     its release in the background and be destroyed later, wherever the garbage collector
     runs, on whatever thread that is. Destroying an old iterator can hold that thread up to
     60 s: it waits for tf.data's autotuning thread, which can miss the wake-up and sleep out
-    its period (docs/ARCHITECTURE.md, known problems). Only tfscale's own errors are
-    cleared: they say what went wrong without those locals; another exception keeps its
-    frames for the user's debugger.
+    its period (docs/training.md, "Releasing tf.data iterators off your thread"). Only
+    tfscale's own errors are cleared: they say what went wrong without those locals; another
+    exception keeps its frames for the user's debugger.
     """
     traceback = error.__traceback__
     while traceback is not None:
