@@ -20,6 +20,7 @@ import pytest
 import tensorflow as tf
 
 from tfscale import internals
+from tfscale.interop import registry
 from tfscale.testing import mirrored_on_cpus
 
 pytestmark = pytest.mark.tf
@@ -189,12 +190,34 @@ def test_slurm_cluster_resolver_module() -> None:
 
 
 # -- the training package's names --------------------------------------------------------------
-def test_override_and_restore_replace_a_method_on_one_instance() -> None:
+def test_replace_and_restore_set_an_attribute_on_one_instance() -> None:
     first, second = _functional(), _functional()
-    internals.override(first, "summary", lambda: "replaced")
-    assert first.summary() == "replaced" and second.summary() is None
-    internals.restore(first, "summary")
-    assert "summary" not in vars(first)
+    registry.replace("compiled-functions", first, "predict_function", "replaced")
+    assert first.predict_function == "replaced" and second.predict_function is None
+    registry.restore("compiled-functions", first, "predict_function")
+    assert "predict_function" not in vars(first)
+    layer = keras.layers.Dense(2)
+    registry.replace("remat-call", layer, "call", lambda *args, **kwargs: "replaced")
+    assert layer.call(None) == "replaced"
+    registry.restore("remat-call", layer, "call")
+    assert "call" not in vars(layer) and layer(np.ones((1, 3), "float32")).shape == (1, 2)
+
+
+def test_a_models_own_fit_reaches_the_prepared_classs_fit_below_it() -> None:
+    """KerasHub's task models call ``super().fit(...)`` from their own ``fit``; the prepared
+    class puts ``modelclass.Below.fit`` right above Keras's model class, where that lands."""
+    from tfscale.training import modelclass
+
+    class OwnFit(keras.Model):  # type: ignore[misc]
+        def fit(self, *args: Any, **kwargs: Any) -> Any:
+            return super().fit(*args, **kwargs)
+
+    for cls in (OwnFit, type(_functional()), keras.Sequential, keras.Model):
+        mro = modelclass.prepared_class(cls).__mro__
+        assert mro.index(modelclass.Below) + 1 == mro.index(keras.Model), mro
+    assert "fit" not in vars(keras.Model), _broken(
+        "fit", "keras.Model defines fit itself", "training.modelclass.Below (where fit is reached)"
+    )
 
 
 def test_flatten_layers() -> None:
@@ -362,7 +385,7 @@ def test_a_multi_optimizer_is_built_through_the_instance_build_and_asks_its_map(
         built.append(len(var_list))
         type(multi).build(multi, var_list)
 
-    internals.override(multi, "build", build)
+    registry.replace("multi-optimizer-build", multi, "build", build)
     # Wrapped in a LossScaleOptimizer: Keras's build reaches it through the wrapper's.
     model.compile(keras.optimizers.LossScaleOptimizer(multi), "mse")
     model.fit(np.ones((4, 4), "float32"), np.ones((4, 2), "float32"), verbose=0)
@@ -426,15 +449,16 @@ def test_watch_gradient_targets_sees_the_target_and_keeps_the_gradient() -> None
     def watcher(target: Any, sources: Any) -> None:
         seen.append((target, sources))
 
-    internals.watch_gradient_targets(watcher)
-    undo = internals.watch_gradient_targets(watcher)  # installed and registered once
+    first = internals.watch_gradient_targets(watcher)
+    second = internals.watch_gradient_targets(watcher)  # held twice, called once
     try:
         variable = tf.Variable(3.0)
         with tf.GradientTape() as tape:
             loss = variable * variable
         assert float(tape.gradient(loss, variable)) == 6.0
     finally:
-        undo()
+        first()
+        second()
     assert len(seen) == 1 and seen[0][0] is loss and seen[0][1] is variable
     with tf.GradientTape() as tape:
         loss = variable * variable
@@ -538,29 +562,45 @@ def test_strategy_supports_no_merge_call() -> None:
         assert internals.strategy_supports_no_merge_call() is False
 
 
-# -- what tfscale replaces on one instance (internals.override) --------------------------------
-# Each name tfscale sets on a Keras object's __dict__ only works while Keras calls it through
-# the instance (self.NAME(...)) with the arguments tfscale's replacement takes. One test per
-# name; test_every_instance_override_is_tested fails on an override with none.
+# -- what tfscale replaces on an instance or in its class -------------------------------------
+# Each method tfscale puts on a Keras object (registry.replace) or in a prepared model's class
+# (training/modelclass.py) only works while Keras calls it through the object (self.NAME(...))
+# with the arguments tfscale's replacement takes. One test per name, each setting it on the
+# instance as the registry does; test_every_instance_override_is_tested fails on a name with
+# none.
+def _on_instance(obj: Any, name: str, value: Any) -> None:
+    obj.__dict__[name] = value
+
+
+def _off_instance(obj: Any, name: str) -> None:
+    obj.__dict__.pop(name, None)
+
+
 _OVERRIDES_TESTED: dict[str, str | tuple[str, ...]] = {
     "make_train_function": "test_fit_calls_the_instance_make_train_function_and_train_function",
     "make_test_function": "test_evaluate_calls_the_instance_make_test_function",
     "_maybe_symbolic_build": "test_fit_calls_the_instance_maybe_symbolic_build",
-    "fit": "test_the_instance_fit_is_what_model_fit_runs",
     "compute_loss": "test_train_step_calls_the_instance_compute_loss_with_x",
     "apply": "test_apply_gradients_calls_the_instance_apply",
     "scale_loss": "test_train_step_calls_the_instance_scale_loss",
     "call": "test_layer_call_runs_the_instance_call",
     "get_metrics_result": "test_fit_reads_epoch_logs_through_the_instance_get_metrics_result",
+    "fit": "test_a_models_own_fit_reaches_the_prepared_classs_fit_below_it",
     "build": (
         "test_the_first_call_of_an_unbuilt_model_runs_the_instance_build",
         "test_a_multi_optimizer_is_built_through_the_instance_build_and_asks_its_map",
     ),
     "next": "test_random_ops_draw_through_the_instance_seed_generator_next",
     # tfscale's own state, which no Keras code reads: only the __dict__ write is assumed.
-    "_tfscale": "test_override_and_restore_replace_a_method_on_one_instance",
-    "_tfscale_update": "test_override_and_restore_replace_a_method_on_one_instance",
-    "_tfscale_loop": "test_override_and_restore_replace_a_method_on_one_instance",
+    "_tfscale": "test_replace_and_restore_set_an_attribute_on_one_instance",
+    "_tfscale_update": "test_replace_and_restore_set_an_attribute_on_one_instance",
+    "_tfscale_loop": "test_replace_and_restore_set_an_attribute_on_one_instance",
+    "train_function": "test_fit_calls_the_instance_make_train_function_and_train_function",
+    "test_function": "test_evaluate_calls_the_instance_make_test_function",
+    "predict_function": "test_replace_and_restore_set_an_attribute_on_one_instance",
+    "_collective_ops_server_def": "test_forget_collective_setup_clears_a_stand_in_context",
+    "_coordination_service_config": "test_forget_collective_setup_clears_a_stand_in_context",
+    "_all_reduce_sum_gradients": "test_optimizer_accessors",
 }
 
 
@@ -576,12 +616,12 @@ def test_random_ops_draw_through_the_instance_seed_generator_next() -> None:
         calls.append(ordered)
         return keras_next(ordered)
 
-    internals.override(generator, "next", next)
+    _on_instance(generator, "next", next)
     try:
         dropout(tf.ones((2, 4)), training=True)
         keras.random.normal((2,), seed=generator)
     finally:
-        internals.restore(generator, "next")
+        _off_instance(generator, "next")
     assert len(calls) == 2
 
 
@@ -617,7 +657,7 @@ def test_fit_calls_the_instance_make_train_function_and_train_function() -> None
         model.train_function = train_function
         return train_function
 
-    internals.override(model, "make_train_function", make)
+    _on_instance(model, "make_train_function", make)
     model.fit(*_XY, batch_size=4, verbose=0)
     assert seen[:2] == ["make", "train"], _broken(
         "make_train_function",
@@ -634,7 +674,7 @@ def test_evaluate_calls_the_instance_make_test_function() -> None:
         seen.append("make")
         return original(force)
 
-    internals.override(model, "make_test_function", make)
+    _on_instance(model, "make_test_function", make)
     model.evaluate(*_XY, batch_size=4, verbose=0)
     assert seen == ["make"], _broken(
         "make_test_function",
@@ -655,7 +695,7 @@ def test_fit_calls_the_instance_maybe_symbolic_build() -> None:
         seen.append((iterator is not None, data_batch is not None))
         original(iterator=iterator, data_batch=data_batch)
 
-    internals.override(model, "_maybe_symbolic_build", build)
+    _on_instance(model, "_maybe_symbolic_build", build)
     model.fit(*_XY, batch_size=4, verbose=0)
     model.train_on_batch(*_XY)
     assert parameters[1:3] == ["iterator", "data_batch"] and seen[:2] == [
@@ -669,15 +709,6 @@ def test_fit_calls_the_instance_maybe_symbolic_build() -> None:
     )
 
 
-def test_the_instance_fit_is_what_model_fit_runs() -> None:
-    model, seen = _compiled_functional(), []
-    internals.override(model, "fit", lambda *args, **kwargs: seen.append(kwargs))
-    model.fit(*_XY, verbose=0)
-    assert seen == [{"verbose": 0}], _broken(
-        "fit", "model.fit does not run the instance's fit", "training.prepare.Prepared.fit"
-    )
-
-
 def test_train_step_calls_the_instance_compute_loss_with_x() -> None:
     model, seen = _compiled_functional(), []
     original = model.compute_loss
@@ -686,7 +717,7 @@ def test_train_step_calls_the_instance_compute_loss_with_x() -> None:
         seen.append(args[0] if args else kwargs.get("x"))
         return original(*args, **kwargs)
 
-    internals.override(model, "compute_loss", compute_loss)
+    _on_instance(model, "compute_loss", compute_loss)
     model.fit(*_XY, batch_size=4, verbose=0)
     assert seen and seen[0] is not None, _broken(
         "compute_loss",
@@ -703,7 +734,7 @@ def test_fit_reads_epoch_logs_through_the_instance_get_metrics_result() -> None:
         seen.append(1)
         return {name: value * 0 + 7.0 for name, value in original().items()}
 
-    internals.override(model, "get_metrics_result", get_metrics_result)
+    _on_instance(model, "get_metrics_result", get_metrics_result)
     history = model.fit(*_XY, batch_size=4, verbose=0)
     assert seen and history.history["mae"] == [7.0], _broken(
         "get_metrics_result",
@@ -723,7 +754,7 @@ def test_the_first_call_of_an_unbuilt_model_runs_the_instance_build() -> None:
         seen.append(args or tuple(kwargs.values()))
         return build(*args, **kwargs)
 
-    internals.override(model, "build", recorded)
+    _on_instance(model, "build", recorded)
     model(np.ones((2, 4), "float32"))
     assert seen and model.built, _broken(
         "build",
@@ -736,7 +767,7 @@ def test_apply_gradients_calls_the_instance_apply() -> None:
     optimizer, seen = keras.optimizers.SGD(0.1), []
     variables = [keras.Variable(np.ones(2, "float32"))]
     optimizer.build(variables)
-    internals.override(optimizer, "apply", lambda grads, variables=None: seen.append(len(grads)))
+    _on_instance(optimizer, "apply", lambda grads, variables=None: seen.append(len(grads)))
     optimizer.apply_gradients([(np.ones(2, "float32"), variables[0])])
     assert seen == [1], _broken(
         "apply",
@@ -754,7 +785,7 @@ def test_train_step_calls_the_instance_scale_loss() -> None:
         seen.append(loss)
         return original(loss)
 
-    internals.override(model.optimizer, "scale_loss", scale_loss)
+    _on_instance(model.optimizer, "scale_loss", scale_loss)
     model.fit(*_XY, batch_size=4, verbose=0)
     assert seen, _broken(
         "scale_loss",
@@ -767,7 +798,7 @@ def test_layer_call_runs_the_instance_call() -> None:
     model, seen = _functional(), []
     layer = model.get_layer("hidden")
     original = layer.call
-    internals.override(layer, "call", lambda *a, **k: seen.append(1) or original(*a, **k))
+    _on_instance(layer, "call", lambda *a, **k: seen.append(1) or original(*a, **k))
     model(np.ones((2, 4), "float32"))
     assert seen == [1], _broken(
         "call", "Layer.__call__ does not run layer.call", "training.layercalls (remat)"
@@ -810,18 +841,26 @@ def test_experimental_get_compiler_ir_lowers_from_tensor_specs() -> None:
 
 
 def test_every_instance_override_is_tested() -> None:
+    """Every attribute a registry.replace call names, and every method of a prepared model's
+    class (modelclass.Around / Below), has a test above."""
+    from tfscale.training import modelclass
+
     overridden = set()
     for path in sorted(_SRC.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)
-                and node.func.attr == "override"
-                and len(node.args) > 1
-                and isinstance(node.args[1], ast.Constant)
+                and node.func.attr == "replace"
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "registry"
+                and len(node.args) > 2
+                and isinstance(node.args[2], ast.Constant)
             ):
-                overridden.add(node.args[1].value)
-    assert overridden, "no internals.override(...) call found: the scan is broken"
+                overridden.add(node.args[2].value)
+    assert overridden, "no registry.replace(...) call found: the scan is broken"
+    for cls in (modelclass.Around, modelclass.Below):
+        overridden.update(name for name in vars(cls) if not name.startswith("__"))
     untested = sorted(overridden - set(_OVERRIDES_TESTED))
     assert untested == [], (
         f"add a test of Keras still calling these through the instance: {untested}"

@@ -291,7 +291,7 @@ def _dispatcher(installed: _Installed) -> Callable[..., Any]:
         return installed.composed(*args, **kwargs)
 
     functools.update_wrapper(dispatcher, installed.original)
-    dispatcher._tfscale_installed = installed  # type: ignore[attr-defined]
+    dispatcher.tfscale_installed = installed  # type: ignore[attr-defined]
     try:  # tfscale's Python runs at trace time: AutoGraph must not convert it
         import tensorflow as tf
 

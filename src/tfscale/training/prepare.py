@@ -170,6 +170,10 @@ def _drop_loop_locals(error: BaseException) -> None:
                 frame.clear()
             except RuntimeError:  # still executing: so are the frames it returns to
                 break
+            # clear() empties the frame's own slots, not a dict of its locals that something
+            # made by reading f_locals (CPython 3.11's frame_tp_clear): reading it again
+            # syncs that dict with the cleared frame, which drops its references.
+            frame.f_locals  # noqa: B018
             frame = frame.f_back
         traceback = traceback.tb_next
 
