@@ -56,6 +56,7 @@ __all__ = [
     "per_replica_component_specs",
     "reduce_per_replica",
     "reinitialize_variable",
+    "replace_checkpoint_children",
     "replica_count_scaling_off",
     "seed_generators",
     "set_initial_epoch",
@@ -461,6 +462,25 @@ def optimizer_uses_weight_decay(optimizer: Any, variable: Any) -> bool:
 def nadam_momentum_product(optimizer: Any) -> Any:
     """``Nadam._u_product``: the product of momentum factors Nadam advances once per update."""
     return optimizer._u_product
+
+
+def replace_checkpoint_children(trackable: Any, replaced: dict[str, Any]) -> None:
+    """Makes checkpoints see ``replaced[name]`` as ``trackable``'s child ``name``
+    (``Trackable._trackable_children``, which saving and restoring both read).
+
+    A sharded optimizer's ``_variables`` holds only its base state; its checkpoint must hold
+    the whole slots under that same child, whether reached as ``optimizer`` or as
+    ``model.optimizer`` (one object in the checkpoint's graph), so the checkpoint is the
+    unsharded optimizer's (``training/sharding.py``).
+    """
+    original = type(trackable)._trackable_children.__get__(trackable)
+
+    def children(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        found = dict(original(*args, **kwargs))
+        found.update(replaced)
+        return found
+
+    override(trackable, "_trackable_children", children)
 
 
 def trackable_base() -> Any:

@@ -32,7 +32,6 @@ from tfscale.launch.elastic import CheckpointNote, write_checkpoint_note
 from tfscale.launch.together import REPORT_ENV
 from tfscale.training.adopt import all_variables
 from tfscale.training.prepare import prepared
-from tfscale.training.sharding import checkpointed
 
 __all__ = ["CheckpointCallback", "CheckpointConfig", "SavedPosition", "saved_position"]
 
@@ -144,7 +143,7 @@ class CheckpointCallback(keras.callbacks.Callback):  # type: ignore[misc]
             extra["data_seed"] = tf.Variable(self._data_seed, dtype=tf.int64, trainable=False)
         self._checkpoint = tf.train.Checkpoint(
             model=model,
-            optimizer=checkpointed(model.optimizer),  # sharded state: its slots whole
+            optimizer=model.optimizer,
             epoch=self._epoch,
             batches=self._batches,
             **extra,

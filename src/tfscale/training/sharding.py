@@ -33,9 +33,10 @@ elementwise give the same update on a shard as on the whole variable; others are
 name (:func:`check_shardable`).
 
 Checkpoints hold the *full* slots under the keys Keras's optimizer has
-(``optimizer/_variables/<i>``, :func:`checkpointed`): each slot is gathered on save and cut
-into the restoring run's shards on restore, so a checkpoint restores on any replica count,
-sharded or not.
+(``optimizer/_variables/<i>``): the optimizer's checkpoint children are replaced, not its
+``variables``, so ``model.optimizer`` and a checkpoint's ``optimizer`` stay one object. Each
+slot is gathered on save and cut into the restoring run's shards on restore, so a checkpoint
+restores on any replica count, sharded or not.
 """
 
 from __future__ import annotations
@@ -56,7 +57,6 @@ from tfscale.errors import TrainingError, explain
 __all__ = [
     "ShardedState",
     "check_shardable",
-    "checkpointed",
     "shard_bounds",
     "sharded_state",
     "slot_bytes_per_device",
@@ -175,6 +175,7 @@ class ShardedState:
         self.local: list[_Replica] = []
         self.view = _CheckpointView(self)
         internals.override(optimizer, "build", self.build)
+        internals.replace_checkpoint_children(optimizer, {"_variables": self.view.slots})
 
     # -- building -------------------------------------------------------------------------
     def build(self, variables: Sequence[Any]) -> None:
@@ -420,29 +421,23 @@ def _local_index(state: ShardedState, context: tf.distribute.ReplicaContext) -> 
 
 
 class _CheckpointView(tf.Module):  # type: ignore[misc]
-    """What a checkpoint saves for a sharded optimizer: the attributes Keras's optimizer
-    saves (``_iterations``, ``_learning_rate``, ``_trainable_variables``, ``_variables``), its
-    slots whole, so the keys and values are those of the same optimizer unsharded."""
+    """The optimizer's ``_variables`` as a checkpoint sees them (``slots``): its base state
+    (iterations, learning rate), then each slot whole, in Keras's order, so the keys and
+    values are those of the same optimizer unsharded."""
 
     def __init__(self, state: ShardedState) -> None:
         super().__init__(name=None)
         self._state = state
-        base = internals.optimizer_base_variables(state.optimizer)
-        self._iterations = base[0]
-        if len(base) > 1:
-            self._learning_rate = base[1]
-        self._trainable_variables: list[Any] = []
-        self._variables: list[Any] = []
+        self.slots: list[Any] = []  # tracked: a restore of items not yet listed waits
 
     def track_slots(self) -> None:
-        """Lists the slots in Keras's order (the base state, then each slot as built); a
+        """Lists the base state and the slots (the base state, then each slot as built); a
         restore asked for before they existed is applied now (deferred restoration)."""
         state = self._state
-        self._trainable_variables.extend(state.variables)
-        self._variables.extend(state.optimizer.variables)
+        self.slots.extend(state.optimizer.variables)
         first = state.local[0] if state.local else None
         if first is not None:
-            self._variables.extend(_FullSlot(state, i) for i in range(len(state.slots(first))))
+            self.slots.extend(_FullSlot(state, i) for i in range(len(state.slots(first))))
 
 
 def sharded_state(optimizer: Any) -> ShardedState | None:
@@ -465,13 +460,6 @@ def install(optimizer: Any, strategy: tf.distribute.Strategy) -> ShardedState:
     state = ShardedState(optimizer, strategy)
     internals.override(optimizer, "_tfscale_sharded", state)
     return state
-
-
-def checkpointed(optimizer: Any) -> Any:
-    """What a checkpoint holds for ``optimizer``: the optimizer itself, or where its state is
-    sharded, a view with its slots whole under the same keys."""
-    state = sharded_state(optimizer)
-    return optimizer if state is None else state.view
 
 
 def slot_bytes_per_device(optimizer: Any, strategy: tf.distribute.Strategy) -> dict[str, int]:

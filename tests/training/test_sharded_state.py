@@ -1,0 +1,212 @@
+"""Sharded optimizer state (ZeRO stage 1, ``training/sharding.py``): the same weights as the
+unsharded update, half the slot bytes per replica over 2, checkpoints that restore on another
+replica count, and a refusal by name for optimizers whose update is not elementwise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfscale
+from tfscale.errors import TrainingError
+from tfscale.testing import relative_difference
+from tfscale.training.sharding import ELEMENTWISE, sharded_state, slot_bytes_per_device
+
+from .helpers import DATA, batches, strategy_for, tiny_model
+
+pytestmark = pytest.mark.tf
+
+EPOCHS = 2
+
+#: Every optimizer the sharded update accepts, with settings that reach its whole update
+#: rule (momentum, Nesterov, decoupled weight decay, centring, l1/l2).
+OPTIMIZERS = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05),
+    "adamax": lambda: keras.optimizers.Adamax(0.01),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.05),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.01, momentum=0.5, centered=True),
+    "nadam": lambda: keras.optimizers.Nadam(0.01),
+    "lion": lambda: keras.optimizers.Lion(0.001),
+    "adadelta": lambda: keras.optimizers.Adadelta(1.0),
+    "ftrl": lambda: keras.optimizers.Ftrl(0.05, l1_regularization_strength=0.001),
+    "adam_schedule_clipped": lambda: keras.optimizers.Adam(
+        keras.optimizers.schedules.ExponentialDecay(0.02, 3, 0.5), global_clipnorm=0.5
+    ),
+}
+
+
+def _model(strategy: tf.distribute.Strategy, optimizer: Any) -> keras.Model:
+    return tiny_model(strategy, optimizer() if callable(optimizer) else optimizer)
+
+
+def _trained(
+    replicas: int, optimizer: Any, shard: bool, epochs: int = EPOCHS, **fit: Any
+) -> keras.Model:
+    x, y = DATA
+    strategy = strategy_for(replicas)
+    model = _model(strategy, optimizer)
+    tfscale.fit(
+        model,
+        x,
+        y,
+        batch_size=32,
+        epochs=epochs,
+        shuffle=False,
+        strategy=strategy,
+        verbose=0,
+        shard_optimizer_state=shard,
+        **fit,
+    )
+    return model
+
+
+def test_every_accepted_optimizer_has_a_case() -> None:
+    made = {type(make()) for make in OPTIMIZERS.values()}
+    assert made == set(ELEMENTWISE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_two_replicas_sharded_equal_unsharded_after_two_epochs(name: str) -> None:
+    whole = _trained(2, OPTIMIZERS[name], shard=False)
+    sharded = _trained(2, OPTIMIZERS[name], shard=True)
+    assert sharded_state(sharded.optimizer) is not None
+    assert sharded_state(whole.optimizer) is None
+    assert int(sharded.optimizer.iterations.numpy()) == int(whole.optimizer.iterations.numpy())
+    assert int(sharded.optimizer.iterations.numpy()) == EPOCHS * 256 // 32
+    assert relative_difference(sharded.get_weights(), whole.get_weights()) <= 1e-6
+    # Trained: the weights moved from the initial ones.
+    initial = _model(strategy_for(2), OPTIMIZERS[name]).get_weights()
+    assert relative_difference(sharded.get_weights(), initial) > 1e-3
+
+
+def test_adam_slot_bytes_per_replica_are_half_and_on_each_replicas_device() -> None:
+    strategy = strategy_for(2)
+    whole = _trained(2, OPTIMIZERS["adam"], shard=False, epochs=1)
+    sharded = _trained(2, OPTIMIZERS["adam"], shard=True, epochs=1)
+    unsharded_bytes = slot_bytes_per_device(whole.optimizer, strategy)
+    sharded_bytes = slot_bytes_per_device(sharded.optimizer, strategy)
+    devices = [tf.DeviceSpec.from_string(d).to_string() for d in strategy.extended.worker_devices]
+    assert sorted(unsharded_bytes) == sorted(sharded_bytes) == sorted(devices)
+    parameters = sum(int(np.prod(v.shape)) for v in whole.trainable_variables)
+    for device in devices:
+        # Adam: two float32 moments per parameter; every variable of the tiny MLP has an even
+        # size, so each replica's shards are exactly half.
+        assert unsharded_bytes[device] == 2 * 4 * parameters
+        assert sharded_bytes[device] * 2 == unsharded_bytes[device]
+    # Read from the variables themselves: each slot shard is a plain variable on its
+    # replica's device (not mirrored), and the optimizer holds no whole slot.
+    state = sharded_state(sharded.optimizer)
+    assert state is not None
+    for replica in state.local:
+        assert {tf.DeviceSpec.from_string(s.device).to_string() for s in state.slots(replica)} == {
+            replica.device
+        }
+    assert len(sharded.optimizer.variables) == 2  # iterations and the learning rate
+
+
+def test_three_replicas_pad_the_last_shard_and_still_equal_unsharded() -> None:
+    # 3 does not divide the tiny MLP's sizes (48x16, 16, 16x16, 16x4, 4): padded shards.
+    whole = _trained(3, OPTIMIZERS["adamw"], shard=False, epochs=1)
+    sharded = _trained(3, OPTIMIZERS["adamw"], shard=True, epochs=1)
+    assert relative_difference(sharded.get_weights(), whole.get_weights()) <= 1e-6
+
+
+def _checkpoint_keys(folder: Path) -> list[tuple[str, list[int]]]:
+    latest = tf.train.latest_checkpoint(str(folder))
+    assert latest is not None
+    return [(k, s) for k, s in tf.train.list_variables(latest) if k.startswith("optimizer/")]
+
+
+@pytest.mark.slow
+def test_checkpoint_on_two_sharded_replicas_restores_on_one_and_continues(tmp_path: Path) -> None:
+    uninterrupted = _trained(2, OPTIMIZERS["adam"], shard=False)
+    # The checkpoint of 1 epoch on 2 sharded replicas holds the whole slots, under the keys
+    # of the unsharded optimizer's.
+    _trained(2, OPTIMIZERS["adam"], shard=True, epochs=1, checkpoint_dir=str(tmp_path / "s"))
+    _trained(2, OPTIMIZERS["adam"], shard=False, epochs=1, checkpoint_dir=str(tmp_path / "u"))
+    assert _checkpoint_keys(tmp_path / "s") == _checkpoint_keys(tmp_path / "u")
+    saved = tf.train.load_checkpoint(tf.train.latest_checkpoint(str(tmp_path / "s")))
+    whole = tf.train.load_checkpoint(tf.train.latest_checkpoint(str(tmp_path / "u")))
+    for key, _ in _checkpoint_keys(tmp_path / "s"):
+        assert relative_difference(saved.get_tensor(key), whole.get_tensor(key)) <= 1e-6, key
+    # Resumed for epoch 2 on 1 replica, unsharded and sharded over 1, and on 2 sharded.
+    for replicas, shard in ((1, False), (1, True), (2, True)):
+        folder = tmp_path / f"resume_{replicas}_{shard}"
+        folder.mkdir()
+        for file in (tmp_path / "s").iterdir():
+            (folder / file.name).write_bytes(file.read_bytes())
+        resumed = _trained(replicas, OPTIMIZERS["adam"], shard=shard, checkpoint_dir=str(folder))
+        assert int(resumed.optimizer.iterations.numpy()) == EPOCHS * 256 // 32
+        difference = relative_difference(resumed.get_weights(), uninterrupted.get_weights())
+        assert difference <= 1e-6, (replicas, shard, difference)
+
+
+def _loop_weights(shard: bool) -> list[np.ndarray]:
+    """One epoch of a custom GradientTape loop over 2 replicas (``tfscale.prepare_loop``)."""
+    x, y = DATA
+    strategy = strategy_for(2)
+    model = tiny_model(strategy, "adam", lr=0.01)
+    optimizer = tfscale.prepare_loop(model, strategy=strategy, shard_optimizer_state=shard)
+    assert (sharded_state(optimizer) is not None) == shard
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def replica(features: Any, labels: Any) -> None:
+        with tf.GradientTape() as tape:
+            value = loss(labels, model(features, training=True))
+        grads = tape.gradient(value, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+
+    @tf.function  # type: ignore[misc]
+    def step(features: Any, labels: Any) -> None:
+        strategy.run(replica, args=(features, labels))
+
+    for features, labels in strategy.experimental_distribute_dataset(batches(x, y, 32)):
+        step(features, labels)
+    assert int(optimizer.iterations.numpy()) == 256 // 32
+    return list(model.get_weights())
+
+
+@pytest.mark.slow
+def test_custom_loop_with_sharded_state_equals_unsharded() -> None:
+    assert relative_difference(_loop_weights(True), _loop_weights(False)) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "why"),
+    [
+        (lambda: keras.optimizers.Adafactor(0.01), "factored over the rows and columns"),
+        (lambda: keras.optimizers.Lamb(0.01), "trust ratio"),
+        (lambda: keras.optimizers.Muon(0.01), "orthogonalizes"),
+    ],
+)
+def test_optimizers_that_are_not_elementwise_are_refused_by_name(optimizer: Any, why: str) -> None:
+    strategy = strategy_for(2)
+    model = _model(strategy, optimizer)
+    name = type(model.optimizer).__name__
+    with pytest.raises(TrainingError, match=f"(?s)cannot shard {name}'s state.*{why}"):
+        tfscale.prepare(model, strategy, shard_optimizer_state=True)
+
+
+def test_a_built_optimizer_ema_and_loss_scaling_are_refused() -> None:
+    strategy = strategy_for(2)
+    model = tiny_model(strategy, "adam")
+    with strategy.scope():
+        model.optimizer.build(model.trainable_variables)
+    with pytest.raises(TrainingError, match="before Adam is built"):
+        tfscale.prepare(model, strategy, shard_optimizer_state=True)
+    model = _model(strategy, lambda: keras.optimizers.Adam(0.01, use_ema=True))
+    with pytest.raises(TrainingError, match="use_ema"):
+        tfscale.prepare(model, strategy, shard_optimizer_state=True)
+    model = tiny_model(strategy, "adam")
+    with pytest.raises(TrainingError, match="LossScaleOptimizer"):
+        tfscale.prepare(model, strategy, mixed_precision="fp16", shard_optimizer_state=True)
+    with pytest.raises(TrainingError, match="yes/no"):
+        tfscale.prepare(tiny_model(strategy), strategy, shard_optimizer_state="yes")
