@@ -210,3 +210,76 @@ def test_a_built_optimizer_ema_and_loss_scaling_are_refused() -> None:
         tfscale.prepare(model, strategy, mixed_precision="fp16", shard_optimizer_state=True)
     with pytest.raises(TrainingError, match="yes/no"):
         tfscale.prepare(tiny_model(strategy), strategy, shard_optimizer_state="yes")
+
+
+_WORKER = """
+import json, os, sys
+import numpy as np
+sys.path.insert(0, sys.argv[2])
+out = sys.argv[1]
+import tensorflow as tf
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+import keras, tfscale
+from tfscale.training.sharding import slot_bytes_per_device
+from training.helpers import DATA, tiny_model
+
+x, y = DATA
+report = {"replicas": strategy.num_replicas_in_sync}
+weights = {}
+for shard in (False, True):
+    model = tiny_model(strategy, "adam", lr=0.01)
+    folder = os.path.join(os.path.dirname(out), "ckpt" if shard else "ckpt_whole")
+    tfscale.fit(
+        model, x, y, batch_size=32, epochs=2, shuffle=False, strategy=strategy, verbose=0,
+        checkpoint_dir=folder, shard_optimizer_state=shard,
+    )
+    report[f"bytes_{shard}"] = slot_bytes_per_device(model.optimizer, strategy)
+    report[f"updates_{shard}"] = int(model.optimizer.iterations.numpy())
+    weights.update({f"{shard}_{i}": w for i, w in enumerate(model.get_weights())})
+np.savez(out + ".npz", **weights)
+with open(out + ".json", "w") as handle:
+    json.dump(report, handle)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_workers_sharded_equal_unsharded_and_their_checkpoint_resumes_on_one(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    from .helpers import run_workers
+
+    tests = Path(__file__).resolve().parents[1]
+    run_workers(_WORKER, [str(tmp_path / "w"), str(tests)], timeout=300)
+    reports = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(2)]
+    weights = [np.load(tmp_path / f"w{i}.npz") for i in range(2)]
+    count = len(tiny_model(None).get_weights())
+    for report, worker in zip(reports, weights, strict=True):
+        assert report["replicas"] == 2
+        assert report["updates_True"] == report["updates_False"] == EPOCHS * 256 // 32
+        # One CPU device per worker: it holds half of Adam's slots when sharded.
+        ((device, whole),) = report["bytes_False"].items()
+        assert report["bytes_True"] == {device: whole // 2}
+        sharded = [worker[f"True_{i}"] for i in range(count)]
+        unsharded = [worker[f"False_{i}"] for i in range(count)]
+        assert relative_difference(sharded, unsharded) <= 1e-6
+    # The workers agree, and equal Mirrored over 2 logical CPUs (unsharded) in this process.
+    mirrored = _trained(2, lambda: keras.optimizers.Adam(0.01), shard=False)
+    sharded = [weights[0][f"True_{i}"] for i in range(count)]
+    assert relative_difference([weights[1][f"True_{i}"] for i in range(count)], sharded) == 0.0
+    assert relative_difference(sharded, mirrored.get_weights()) <= 1e-6
+    # The checkpoint the 2 sharded workers wrote (whole slots) resumes on 1 replica for a
+    # third epoch and ends where 3 uninterrupted epochs end.
+    assert (tmp_path / "ckpt" / "checkpoint").exists()
+    resumed = _trained(
+        1,
+        lambda: keras.optimizers.Adam(0.01),
+        shard=False,
+        epochs=3,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+    )
+    assert int(resumed.optimizer.iterations.numpy()) == 3 * 256 // 32
+    uninterrupted = _trained(2, lambda: keras.optimizers.Adam(0.01), shard=False, epochs=3)
+    assert relative_difference(resumed.get_weights(), uninterrupted.get_weights()) <= 1e-6
