@@ -119,6 +119,71 @@ def test_three_replicas_pad_the_last_shard_and_still_equal_unsharded() -> None:
     assert relative_difference(sharded.get_weights(), whole.get_weights()) <= 1e-6
 
 
+def _embedding_model(strategy: tf.distribute.Strategy, optimizer: Any) -> keras.Model:
+    with strategy.scope():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential(
+            [
+                keras.Input((5,), dtype="int32"),
+                keras.layers.Embedding(20, 4),
+                keras.layers.Flatten(),
+                keras.layers.Dense(2),
+            ]
+        )
+        model.compile(optimizer(), "mse")
+    return model
+
+
+@pytest.mark.parametrize(
+    "variant", ["sparse_gradient", "accumulation_steps", "jit_compile", "steps_per_execution"]
+)
+def test_sharded_state_with_tfscales_other_options_equals_unsharded(variant: str) -> None:
+    """Every path to the optimizer (DistributedUpdate's) reaches the sharded update: an
+    embedding's IndexedSlices (densified for its shard), accumulated micro-batches, XLA's
+    deferred apply, several steps per call."""
+    strategy = strategy_for(2)
+    rng = np.random.default_rng(5)
+    y = rng.normal(size=(64, 2)).astype("float32")
+    if variant == "sparse_gradient":
+        x: Any = rng.integers(0, 20, size=(64, 5)).astype("int32")
+        options: dict[str, Any] = {}
+    else:
+        x = rng.normal(size=(64, 5)).astype("float32")
+        options = {
+            "accumulation_steps": {"accumulation_steps": 2},
+            "jit_compile": {"jit_compile": True},
+            "steps_per_execution": {"steps_per_execution": 4},
+        }[variant]
+    results = []
+    for shard in (False, True):
+        if variant == "sparse_gradient":
+            model = _embedding_model(strategy, lambda: keras.optimizers.Adam(0.01))
+        else:
+            with strategy.scope():
+                keras.utils.set_random_seed(3)
+                model = keras.Sequential(
+                    [keras.Input((5,)), keras.layers.Dense(8, "tanh"), keras.layers.Dense(2)]
+                )
+                model.compile(keras.optimizers.AdamW(0.01), "mse")
+        tfscale.fit(
+            model,
+            x,
+            y,
+            batch_size=16,
+            epochs=2,
+            shuffle=False,
+            strategy=strategy,
+            verbose=0,
+            shard_optimizer_state=shard,
+            **options,
+        )
+        assert (sharded_state(model.optimizer) is not None) == shard
+        results.append((model.get_weights(), int(model.optimizer.iterations.numpy())))
+    (whole, updates), (sharded, sharded_updates) = results
+    assert sharded_updates == updates == 8 // options.get("accumulation_steps", 1)
+    assert relative_difference(sharded, whole) <= 1e-6
+
+
 def _checkpoint_keys(folder: Path) -> list[tuple[str, list[int]]]:
     latest = tf.train.latest_checkpoint(str(folder))
     assert latest is not None

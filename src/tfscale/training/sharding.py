@@ -259,14 +259,16 @@ class ShardedState:
         for gradient, variable in zip(grads, variables, strict=True):
             position = self._position(variable)
             shard = replica.weights[position]
-            shard.assign(self.cut(variable, replica.index))
+            shard.assign(self.cut(variable, replica.index, _size(variable)))
             if optimizer.weight_decay is not None and internals.optimizer_uses_weight_decay(
                 optimizer, variable
             ):
                 decay = tf.cast(optimizer.weight_decay, shard.dtype)
                 shard.assign_sub(shard * decay * tf.cast(learning_rate, shard.dtype))
             inner.update_step(
-                self.cut(gradient, replica.index), shard, tf.cast(learning_rate, shard.dtype)
+                self.cut(gradient, replica.index, _size(variable)),
+                shard,
+                tf.cast(learning_rate, shard.dtype),
             )
             shards.append(shard)
         full = self._gathered(context, shards, variables)
@@ -297,10 +299,10 @@ class ShardedState:
             )
         )
 
-    def cut(self, value: Any, index: int) -> tf.Tensor:
-        """Replica ``index``'s shard of ``value`` (a weight or a gradient), zero-padded."""
-        flat = tf.reshape(tf.convert_to_tensor(value), [-1])
-        size = int(flat.shape[0])
+    def cut(self, value: Any, index: int, size: int) -> tf.Tensor:
+        """Replica ``index``'s shard of ``value`` (a weight or a gradient of ``size``
+        elements; a sparse gradient's dense shape may be unknown when traced), zero-padded."""
+        flat = tf.reshape(tf.convert_to_tensor(value), [size])
         width = shard_bounds(size, self.replicas)
         padded = tf.pad(flat, [[0, width * self.replicas - size]])
         return padded[index * width : (index + 1) * width]
@@ -411,7 +413,7 @@ class _FullSlot(internals.trackable_base()):  # type: ignore[misc]
         state, of = self._state, self._of()
         for replica, shard in zip(state.local, self._shards(), strict=True):
             with tf.device(shard.device):
-                shard.assign(value if of is None else state.cut(value, replica.index))
+                shard.assign(value if of is None else state.cut(value, replica.index, _size(of)))
         return None
 
 
