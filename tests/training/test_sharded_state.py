@@ -17,7 +17,7 @@ from tfscale.errors import TrainingError
 from tfscale.testing import relative_difference
 from tfscale.training.sharding import ELEMENTWISE, sharded_state, slot_bytes_per_device
 
-from .helpers import DATA, batches, strategy_for, tiny_model
+from .helpers import DATA, WORKER_PRELUDE, batches, strategy_for, tiny_model
 
 pytestmark = pytest.mark.tf
 
@@ -277,20 +277,10 @@ def test_a_built_optimizer_ema_and_loss_scaling_are_refused() -> None:
         tfscale.prepare(tiny_model(strategy), strategy, shard_optimizer_state="yes")
 
 
-_WORKER = """
-import json, os, sys
-import numpy as np
-sys.path.insert(0, sys.argv[2])
-out = sys.argv[1]
-import tensorflow as tf
-strategy = tf.distribute.MultiWorkerMirroredStrategy()
-import keras, tfscale
+_WORKER = (
+    WORKER_PRELUDE
+    + """
 from tfscale.training.sharding import slot_bytes_per_device
-from training.helpers import DATA, tiny_model
-
-x, y = DATA
-report = {"replicas": strategy.num_replicas_in_sync}
-weights = {}
 for shard in (False, True):
     model = tiny_model(strategy, "adam", lr=0.01)
     folder = os.path.join(os.path.dirname(out), "ckpt" if shard else "ckpt_whole")
@@ -305,6 +295,7 @@ np.savez(out + ".npz", **weights)
 with open(out + ".json", "w") as handle:
     json.dump(report, handle)
 """
+)
 
 
 @pytest.mark.multiprocess

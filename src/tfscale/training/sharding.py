@@ -13,10 +13,12 @@ all-reduced, clipped and found finite by :class:`~tfscale.training.optimizer.Dis
     w = all_gather(w_shards)[:n]               ReplicaContext.all_gather: one per dtype
     optimizer.iterations += 1                  the schedule and bias corrections as unsharded
 
-Why all-reduce + slice: tf.distribute has no public reduce-scatter (``ReplicaContext`` offers
-``all_reduce``, ``all_gather`` and ``merge_call``; ``CrossDeviceOps`` offers ``reduce``,
-``batch_reduce`` and ``broadcast``; ``CollectiveReduceScatterV2`` is reached only through
-TensorFlow's private collective launcher). Stage 1 promises less optimizer *state*, which
+Why all-reduce + slice: tf.distribute has no reduce-scatter (TensorFlow 2.21:
+``ReplicaContext`` offers ``all_reduce``, ``all_gather`` and ``merge_call``; ``CrossDeviceOps``
+``reduce``, ``batch_reduce`` and ``broadcast``; ``Strategy`` ``reduce`` and ``gather``). The
+raw op ``tf.raw_ops.CollectiveReduceScatterV2`` exists, but no strategy calls it (nothing in
+``tensorflow/python/distribute`` does) and it needs the strategy's private group and instance
+keys, which tfscale does not write collectives with. Stage 1 promises less optimizer *state*, which
 this keeps; the gradient's communication stays one all-reduce, and the clip and the
 finiteness test need the whole reduced gradient anyway. The weights are gathered back with a
 real all-gather (one per dtype, every variable's shard packed).
