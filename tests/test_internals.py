@@ -563,7 +563,29 @@ _OVERRIDES_TESTED: dict[str, str | tuple[str, ...]] = {
     "_tfscale_update": "test_override_and_restore_replace_a_method_on_one_instance",
     "_tfscale_loop": "test_override_and_restore_replace_a_method_on_one_instance",
     "_tfscale_sharded": "test_override_and_restore_replace_a_method_on_one_instance",
+    "save_own_variables": "test_weights_files_save_and_load_through_the_instance_optimizer",
+    "load_own_variables": "test_weights_files_save_and_load_through_the_instance_optimizer",
 }
+
+
+def test_weights_files_save_and_load_through_the_instance_optimizer(tmp_path: Path) -> None:
+    """training.sharding saves a sharded optimizer's slots whole in Keras's weights files:
+    ``save_weights`` / ``load_weights`` must reach the optimizer's instance methods."""
+    model = _functional()
+    model.compile(keras.optimizers.Adam(0.1), "mse")
+    model.optimizer.build(model.trainable_variables)
+    calls = []
+    for name in ("save_own_variables", "load_own_variables"):
+        keras_method = getattr(model.optimizer, name)
+
+        def method(store: Any, keras_method: Any = keras_method, name: str = name) -> None:
+            calls.append(name)
+            keras_method(store)
+
+        internals.override(model.optimizer, name, method)
+    model.save_weights(str(tmp_path / "m.weights.h5"))
+    model.load_weights(str(tmp_path / "m.weights.h5"))
+    assert calls == ["save_own_variables", "load_own_variables"]
 
 
 def test_fit_builds_the_optimizer_through_the_instance_build() -> None:

@@ -214,6 +214,42 @@ def test_checkpoint_on_two_sharded_replicas_restores_on_one_and_continues(tmp_pa
         assert difference <= 1e-6, (replicas, shard, difference)
 
 
+def test_keras_weights_files_hold_the_whole_slots_both_ways(tmp_path: Path) -> None:
+    """``model.save_weights`` of a sharded model loads into an unsharded one on 1 device, and
+    an unsharded model's file into a sharded one, which then continues as unsharded."""
+    x, y = DATA
+    strategy = strategy_for(2)
+    sharded = _trained(2, OPTIMIZERS["adam"], shard=True, epochs=1)
+    whole = _trained(2, OPTIMIZERS["adam"], shard=False, epochs=1)
+    sharded.save_weights(str(tmp_path / "sharded.weights.h5"))
+    whole.save_weights(str(tmp_path / "whole.weights.h5"))
+    one = _model(strategy_for(1), OPTIMIZERS["adam"])
+    one.optimizer.build(one.trainable_variables)
+    one.load_weights(str(tmp_path / "sharded.weights.h5"))
+    assert len(one.optimizer.variables) == len(whole.optimizer.variables) == 14
+    saved = [v.numpy() for v in whole.optimizer.variables]
+    assert relative_difference([v.numpy() for v in one.optimizer.variables], saved) <= 1e-6
+    loaded = _model(strategy, OPTIMIZERS["adam"])
+    tfscale.prepare(loaded, strategy, shard_optimizer_state=True)
+    with strategy.scope():
+        loaded.optimizer.build(loaded.trainable_variables)
+    loaded.load_weights(str(tmp_path / "whole.weights.h5"))
+    for model, shard in ((loaded, True), (whole, False)):
+        tfscale.fit(
+            model,
+            x,
+            y,
+            batch_size=32,
+            epochs=2,
+            initial_epoch=1,
+            shuffle=False,
+            strategy=strategy,
+            verbose=0,
+            shard_optimizer_state=shard,
+        )
+    assert relative_difference(loaded.get_weights(), whole.get_weights()) <= 1e-6
+
+
 def _loop_weights(shard: bool) -> list[np.ndarray]:
     """One epoch of a custom GradientTape loop over 2 replicas (``tfscale.prepare_loop``)."""
     x, y = DATA

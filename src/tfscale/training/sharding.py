@@ -46,11 +46,13 @@ from __future__ import annotations
 import math
 import re
 import threading
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfscale import internals
@@ -178,6 +180,8 @@ class ShardedState:
         self.view = _CheckpointView(self)
         internals.override(optimizer, "build", self.build)
         internals.replace_checkpoint_children(optimizer, {"_variables": self.view.slots})
+        internals.override(optimizer, "save_own_variables", self.save_own_variables)
+        internals.override(optimizer, "load_own_variables", self.load_own_variables)
 
     # -- building -------------------------------------------------------------------------
     def build(self, variables: Sequence[Any]) -> None:
@@ -327,6 +331,31 @@ class ShardedState:
                 out[i] = tf.reshape(tf.reshape(part, [-1])[: _size(like[i])], shape)
         return [t for t in out if t is not None]
 
+    # -- Keras's saving (model.save, save_weights) ---------------------------------------
+    def save_own_variables(self, store: Any) -> None:
+        """Keras's ``Optimizer.save_own_variables``: the optimizer's variables as the same
+        optimizer unsharded has them (its base state, then each slot whole)."""
+        for i, item in enumerate(self.view.slots):
+            store[str(i)] = np.asarray(item.whole() if isinstance(item, _FullSlot) else item)
+
+    def load_own_variables(self, store: Any) -> None:
+        """Keras's ``Optimizer.load_own_variables``: whole slots, cut into this run's shards."""
+        items = list(self.view.slots)
+        if len(store.keys()) != len(items):
+            # Keras's own behaviour for a count that does not match: a warning, no load.
+            warnings.warn(
+                f"Skipping variable loading for optimizer '{self.optimizer.name}', because it "
+                f"has {len(items)} variables whereas the saved optimizer has "
+                f"{len(store.keys())} variables (sharded state: built yet?).",
+                stacklevel=2,
+            )
+            return
+        for i, item in enumerate(items):
+            if isinstance(item, _FullSlot):
+                item.assign_whole(store[str(i)])
+            else:
+                item.assign(store[str(i)])
+
     # -- reading the state ----------------------------------------------------------------
     def slot_bytes(self) -> dict[str, int]:
         """Bytes of optimizer slots on each local device."""
@@ -399,23 +428,30 @@ class _FullSlot(internals.trackable_base()):  # type: ignore[misc]
         found = _SHARD_NAME.search(name)
         return None if found is None else self._state.variables[int(found.group(1))]
 
-    def _serialize_to_tensors(self) -> dict[str, tf.Tensor]:
+    def whole(self) -> tf.Tensor:
+        """The whole slot: every replica's shard gathered (over the workers too), unpadded."""
         state, shards, of = self._state, self._shards(), self._of()
         if of is None:
-            return {"VARIABLE_VALUE": shards[0].read_value()}  # the same on every replica
+            return shards[0].read_value()  # the same on every replica
         strategy = state.strategy
         per_replica = strategy.experimental_distribute_values_from_function(
             lambda context: shards[_local_index(state, context)].read_value()
         )
-        whole = strategy.gather(per_replica, axis=0)
-        return {"VARIABLE_VALUE": tf.reshape(whole[: _size(of)], of.shape)}
+        gathered = strategy.gather(per_replica, axis=0)
+        return tf.reshape(gathered[: _size(of)], of.shape)
 
-    def _restore_from_tensors(self, restored_tensors: dict[str, tf.Tensor]) -> Any:
-        value = restored_tensors["VARIABLE_VALUE"]
+    def assign_whole(self, value: Any) -> None:
+        """Cuts a whole slot's ``value`` into this process's shards."""
         state, of = self._state, self._of()
         for replica, shard in zip(state.local, self._shards(), strict=True):
             with tf.device(shard.device):
                 shard.assign(value if of is None else state.cut(value, replica.index, _size(of)))
+
+    def _serialize_to_tensors(self) -> dict[str, tf.Tensor]:
+        return {"VARIABLE_VALUE": self.whole()}
+
+    def _restore_from_tensors(self, restored_tensors: dict[str, tf.Tensor]) -> Any:
+        self.assign_whole(restored_tensors["VARIABLE_VALUE"])
         return None
 
 
