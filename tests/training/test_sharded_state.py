@@ -214,6 +214,24 @@ def test_checkpoint_on_two_sharded_replicas_restores_on_one_and_continues(tmp_pa
         assert difference <= 1e-6, (replicas, shard, difference)
 
 
+def test_a_restore_before_the_build_fills_the_shards_when_they_are_made(tmp_path: Path) -> None:
+    """A custom loop's ``tf.train.Checkpoint.restore`` before the optimizer is built: the
+    whole slots wait (deferred restoration) and are cut into the shards as they are made."""
+    whole = _trained(2, OPTIMIZERS["adam"], shard=False, epochs=1)
+    path = tf.train.Checkpoint(model=whole, optimizer=whole.optimizer).write(str(tmp_path / "c"))
+    strategy = strategy_for(2)
+    model = _model(strategy, OPTIMIZERS["adam"])
+    tfscale.prepare(model, strategy, shard_optimizer_state=True)
+    tf.train.Checkpoint(model=model, optimizer=model.optimizer).restore(path).expect_partial()
+    with strategy.scope():
+        model.optimizer.build(model.trainable_variables)
+    state = sharded_state(model.optimizer)
+    assert state is not None
+    restored = [np.asarray(v.whole() if hasattr(v, "whole") else v) for v in state.view.saved]
+    assert len(restored) == len(whole.optimizer.variables) == 14
+    assert relative_difference(restored, [v.numpy() for v in whole.optimizer.variables]) == 0.0
+
+
 def test_keras_weights_files_hold_the_whole_slots_both_ways(tmp_path: Path) -> None:
     """``model.save_weights`` of a sharded model loads into an unsharded one on 1 device, and
     an unsharded model's file into a sharded one, which then continues as unsharded."""

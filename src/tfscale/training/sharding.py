@@ -61,7 +61,7 @@ from tfscale.errors import TrainingError, explain
 __all__ = [
     "ShardedState",
     "check_shardable",
-    "shard_bounds",
+    "shard_size",
     "sharded_state",
     "slot_bytes_per_device",
 ]
@@ -97,7 +97,7 @@ NOT_ELEMENTWISE = {
 _SHARD_NAME = re.compile(r"zero_shard_(\d+)_")
 
 
-def shard_bounds(size: int, replicas: int) -> int:
+def shard_size(size: int, replicas: int) -> int:
     """The elements per shard of a variable of ``size`` elements over ``replicas``."""
     return max(1, math.ceil(size / replicas))
 
@@ -165,7 +165,7 @@ class _Replica:
 class ShardedState:
     """The sharded state of one Keras optimizer under one strategy (see the module docstring).
 
-    Installed on the optimizer by :func:`sharded_state` before it is built: its ``build``
+    Installed on the optimizer by :func:`install` before it is built: its ``build``
     then builds only Keras's base state (iterations, learning rate, the table of variables)
     and this object's shards, one set per local replica.
     """
@@ -179,7 +179,7 @@ class ShardedState:
         self.local: list[_Replica] = []
         self.view = _CheckpointView(self)
         internals.override(optimizer, "build", self.build)
-        internals.replace_checkpoint_children(optimizer, {"_variables": self.view.slots})
+        internals.replace_checkpoint_children(optimizer, {"_variables": self.view.saved})
         internals.override(optimizer, "save_own_variables", self.save_own_variables)
         internals.override(optimizer, "load_own_variables", self.load_own_variables)
 
@@ -221,7 +221,7 @@ class ShardedState:
         with tf.init_scope(), tf.device(device):
             weights = [
                 tf.Variable(
-                    tf.zeros([shard_bounds(_size(v), self.replicas)], tf.as_dtype(v.dtype)),
+                    tf.zeros([shard_size(_size(v), self.replicas)], tf.as_dtype(v.dtype)),
                     trainable=False,
                     name=f"zero_shard_{i}",
                 )
@@ -309,7 +309,7 @@ class ShardedState:
         """Replica ``index``'s shard of ``value`` (a weight or a gradient of ``size``
         elements; a sparse gradient's dense shape may be unknown when traced), zero-padded."""
         flat = tf.reshape(tf.convert_to_tensor(value), [size])
-        width = shard_bounds(size, self.replicas)
+        width = shard_size(size, self.replicas)
         padded = tf.pad(flat, [[0, width * self.replicas - size]])
         return padded[index * width : (index + 1) * width]
 
@@ -335,12 +335,12 @@ class ShardedState:
     def save_own_variables(self, store: Any) -> None:
         """Keras's ``Optimizer.save_own_variables``: the optimizer's variables as the same
         optimizer unsharded has them (its base state, then each slot whole)."""
-        for i, item in enumerate(self.view.slots):
+        for i, item in enumerate(self.view.saved):
             store[str(i)] = np.asarray(item.whole() if isinstance(item, _FullSlot) else item)
 
     def load_own_variables(self, store: Any) -> None:
         """Keras's ``Optimizer.load_own_variables``: whole slots, cut into this run's shards."""
-        items = list(self.view.slots)
+        items = list(self.view.saved)
         if len(store.keys()) != len(items):
             # Keras's own behaviour for a count that does not match: a warning, no load.
             warnings.warn(
@@ -461,23 +461,23 @@ def _local_index(state: ShardedState, context: tf.distribute.ReplicaContext) -> 
 
 
 class _CheckpointView(tf.Module):  # type: ignore[misc]
-    """The optimizer's ``_variables`` as a checkpoint sees them (``slots``): its base state
+    """The optimizer's ``_variables`` as a checkpoint sees them (``saved``): its base state
     (iterations, learning rate), then each slot whole, in Keras's order, so the keys and
     values are those of the same optimizer unsharded."""
 
     def __init__(self, state: ShardedState) -> None:
         super().__init__(name=None)
         self._state = state
-        self.slots: list[Any] = []  # tracked: a restore of items not yet listed waits
+        self.saved: list[Any] = []  # tracked: a restore of items not yet listed waits
 
     def track_slots(self) -> None:
         """Lists the base state and the slots (the base state, then each slot as built); a
         restore asked for before they existed is applied now (deferred restoration)."""
         state = self._state
-        self.slots.extend(state.optimizer.variables)
+        self.saved.extend(state.optimizer.variables)
         first = state.local[0] if state.local else None
         if first is not None:
-            self.slots.extend(_FullSlot(state, i) for i in range(len(state.slots(first))))
+            self.saved.extend(_FullSlot(state, i) for i in range(len(state.slots(first))))
 
 
 def sharded_state(optimizer: Any) -> ShardedState | None:
