@@ -46,24 +46,21 @@ def _model(strategy: tf.distribute.Strategy, optimizer: Any) -> keras.Model:
     return tiny_model(strategy, optimizer() if callable(optimizer) else optimizer)
 
 
+def _fit(model: keras.Model, strategy: Any, shard: bool, data: Any = DATA, **fit: Any) -> None:
+    """``tfscale.fit`` in order (``shuffle=False``), 32 examples per step unless given."""
+    fit.setdefault("batch_size", 32)
+    x, y = data
+    tfscale.fit(
+        model, x, y, shuffle=False, strategy=strategy, verbose=0, shard_optimizer_state=shard, **fit
+    )
+
+
 def _trained(
     replicas: int, optimizer: Any, shard: bool, epochs: int = EPOCHS, **fit: Any
 ) -> keras.Model:
-    x, y = DATA
     strategy = strategy_for(replicas)
     model = _model(strategy, optimizer)
-    tfscale.fit(
-        model,
-        x,
-        y,
-        batch_size=32,
-        epochs=epochs,
-        shuffle=False,
-        strategy=strategy,
-        verbose=0,
-        shard_optimizer_state=shard,
-        **fit,
-    )
+    _fit(model, strategy, shard, epochs=epochs, **fit)
     return model
 
 
@@ -165,18 +162,7 @@ def test_sharded_state_with_tfscales_other_options_equals_unsharded(variant: str
                     [keras.Input((5,)), keras.layers.Dense(8, "tanh"), keras.layers.Dense(2)]
                 )
                 model.compile(keras.optimizers.AdamW(0.01), "mse")
-        tfscale.fit(
-            model,
-            x,
-            y,
-            batch_size=16,
-            epochs=2,
-            shuffle=False,
-            strategy=strategy,
-            verbose=0,
-            shard_optimizer_state=shard,
-            **options,
-        )
+        _fit(model, strategy, shard, (x, y), batch_size=16, epochs=2, **options)
         assert (sharded_state(model.optimizer) is not None) == shard
         results.append((model.get_weights(), int(model.optimizer.iterations.numpy())))
     (whole, updates), (sharded, sharded_updates) = results
@@ -235,7 +221,6 @@ def test_a_restore_before_the_build_fills_the_shards_when_they_are_made(tmp_path
 def test_keras_weights_files_hold_the_whole_slots_both_ways(tmp_path: Path) -> None:
     """``model.save_weights`` of a sharded model loads into an unsharded one on 1 device, and
     an unsharded model's file into a sharded one, which then continues as unsharded."""
-    x, y = DATA
     strategy = strategy_for(2)
     sharded = _trained(2, OPTIMIZERS["adam"], shard=True, epochs=1)
     whole = _trained(2, OPTIMIZERS["adam"], shard=False, epochs=1)
@@ -253,18 +238,7 @@ def test_keras_weights_files_hold_the_whole_slots_both_ways(tmp_path: Path) -> N
         loaded.optimizer.build(loaded.trainable_variables)
     loaded.load_weights(str(tmp_path / "whole.weights.h5"))
     for model, shard in ((loaded, True), (whole, False)):
-        tfscale.fit(
-            model,
-            x,
-            y,
-            batch_size=32,
-            epochs=2,
-            initial_epoch=1,
-            shuffle=False,
-            strategy=strategy,
-            verbose=0,
-            shard_optimizer_state=shard,
-        )
+        _fit(model, strategy, shard, epochs=2, initial_epoch=1)
     assert relative_difference(loaded.get_weights(), whole.get_weights()) <= 1e-6
 
 
