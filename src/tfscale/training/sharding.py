@@ -21,7 +21,10 @@ raw op ``tf.raw_ops.CollectiveReduceScatterV2`` exists, but no strategy calls it
 keys, which tfscale does not write collectives with. Stage 1 promises less optimizer *state*, which
 this keeps; the gradient's communication stays one all-reduce, and the clip and the
 finiteness test need the whole reduced gradient anyway. The weights are gathered back with a
-real all-gather (one per dtype, every variable's shard packed).
+real all-gather (one per dtype, every variable's shard packed); under MirroredStrategy with
+``NcclAllReduce`` or ``HierarchicalCopyAllReduce`` TensorFlow 2.21 runs that all-gather as a
+gather on one device and a broadcast, with a warning
+(``AllReduceCrossDeviceOps._gather_implementation``), not yet measured on GPUs here.
 
 The update rule is the user's optimizer class's own ``update_step``: each local replica has
 an *inner* optimizer of the same class and config (``from_config(get_config())``), built on
