@@ -589,6 +589,7 @@ _OVERRIDES_TESTED: dict[str, str | tuple[str, ...]] = {
     "build": (
         "test_the_first_call_of_an_unbuilt_model_runs_the_instance_build",
         "test_a_multi_optimizer_is_built_through_the_instance_build_and_asks_its_map",
+        "test_fit_builds_the_optimizer_through_the_instance_build",
     ),
     "next": "test_random_ops_draw_through_the_instance_seed_generator_next",
     # tfscale's own state, which no Keras code reads: only the __dict__ write is assumed.
@@ -601,7 +602,92 @@ _OVERRIDES_TESTED: dict[str, str | tuple[str, ...]] = {
     "_collective_ops_server_def": "test_forget_collective_setup_clears_a_stand_in_context",
     "_coordination_service_config": "test_forget_collective_setup_clears_a_stand_in_context",
     "_all_reduce_sum_gradients": "test_optimizer_accessors",
+    "_tfscale_sharded": "test_replace_and_restore_set_an_attribute_on_one_instance",
+    "save_own_variables": "test_weights_files_save_and_load_through_the_instance_optimizer",
+    "load_own_variables": "test_weights_files_save_and_load_through_the_instance_optimizer",
+    "_trackable_children": "test_a_checkpoint_reads_the_replaced_checkpoint_children",
 }
+
+
+def test_weights_files_save_and_load_through_the_instance_optimizer(tmp_path: Path) -> None:
+    """training.sharding saves a sharded optimizer's slots whole in Keras's weights files:
+    ``save_weights`` / ``load_weights`` must reach the optimizer's instance methods."""
+    model = _functional()
+    model.compile(keras.optimizers.Adam(0.1), "mse")
+    model.optimizer.build(model.trainable_variables)
+    calls = []
+    for name in ("save_own_variables", "load_own_variables"):
+        keras_method = getattr(model.optimizer, name)
+
+        def method(store: Any, keras_method: Any = keras_method, name: str = name) -> None:
+            calls.append(name)
+            keras_method(store)
+
+        _on_instance(model.optimizer, name, method)
+    model.save_weights(str(tmp_path / "m.weights.h5"))
+    model.load_weights(str(tmp_path / "m.weights.h5"))
+    assert calls == ["save_own_variables", "load_own_variables"]
+
+
+def test_fit_builds_the_optimizer_through_the_instance_build() -> None:
+    """training.sharding replaces a sharded optimizer's ``build`` (its slots are shards):
+    Keras's fit must build the optimizer through the instance's."""
+    model = _functional()
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    optimizer = model.optimizer
+    built = []
+    keras_build = optimizer.build
+
+    def build(variables: Any) -> None:
+        built.append(len(variables))
+        keras_build(variables)
+
+    _on_instance(optimizer, "build", build)
+    model.fit(np.ones((4, 4), "float32"), np.ones((4, 2), "float32"), verbose=0)
+    assert built == [4]
+
+
+def test_optimizer_update_accessors() -> None:
+    kernel = keras.Variable(np.ones((2, 2), "float32"), name="kernel")
+    bias = keras.Variable(np.ones(2, "float32"), name="bias")
+    optimizer = keras.optimizers.AdamW(0.1, weight_decay=0.5, global_clipnorm=1.0)
+    optimizer.exclude_from_weight_decay(var_list=[bias])
+    optimizer.build([kernel, bias])
+    for name, accessor in (
+        ("_clip_gradients", "optimizer_clip_gradients"),
+        ("_use_weight_decay", "optimizer_uses_weight_decay"),
+        ("_iterations", "optimizer_base_variables"),
+        ("_learning_rate", "optimizer_base_variables"),
+    ):
+        _require(optimizer, name, accessor, "training.sharding")
+    clipped = internals.optimizer_clip_gradients(
+        optimizer, [tf.fill((2, 2), 3.0), tf.fill((2,), 4.0)]
+    )
+    assert abs(float(tf.linalg.global_norm(clipped)) - 1.0) < 1e-6
+    assert internals.optimizer_uses_weight_decay(optimizer, kernel)
+    assert not internals.optimizer_uses_weight_decay(optimizer, bias)
+    base = internals.optimizer_base_variables(optimizer)
+    assert [id(v) for v in base] == [id(v) for v in optimizer.variables[:2]]
+    assert [v.path.split("/")[-1] for v in base] == ["iteration", "learning_rate"]
+    nadam = keras.optimizers.Nadam(0.1)
+    nadam.build([kernel])
+    _require(nadam, "_u_product", "nadam_momentum_product", "training.sharding")
+    assert internals.nadam_momentum_product(nadam) is nadam._u_product
+    assert isinstance(internals.distributed_container(kernel), internals.trackable_base())
+
+
+def test_a_checkpoint_reads_the_replaced_checkpoint_children(tmp_path: Path) -> None:
+    """training.sharding saves a sharded optimizer's slots whole under ``_variables``."""
+    holder = tf.Module()
+    holder.kept = tf.Variable(1.0)
+    replacement = tf.Variable(5.0)
+    internals.replace_checkpoint_children(holder, {"kept": replacement})
+    path = tf.train.Checkpoint(holder=holder).write(str(tmp_path / "c"))
+    saved = tf.train.load_checkpoint(path).get_tensor("holder/kept/.ATTRIBUTES/VARIABLE_VALUE")
+    assert float(saved) == 5.0
+    replacement.assign(0.0)
+    tf.train.Checkpoint(holder=holder).read(path).assert_consumed()
+    assert (float(replacement.numpy()), float(holder.kept.numpy())) == (5.0, 1.0)
 
 
 def test_random_ops_draw_through_the_instance_seed_generator_next() -> None:

@@ -48,12 +48,17 @@ __all__ = [
     "keras_loss_module",
     "lists_to_tuples",
     "model_strategy",
+    "nadam_momentum_product",
     "node_key",
+    "optimizer_base_variables",
+    "optimizer_clip_gradients",
     "optimizer_trainable_variables",
+    "optimizer_uses_weight_decay",
     "per_replica_component_specs",
     "reduce_per_replica",
     "register_same_name",
     "reinitialize_variable",
+    "replace_checkpoint_children",
     "replica_count_scaling_off",
     "seed_generators",
     "set_initial_epoch",
@@ -64,6 +69,7 @@ __all__ = [
     "symbolic_build",
     "tensor_producer",
     "tf_function_class",
+    "trackable_base",
     "train_validation_split",
     "uses_default_step",
     "variable_strategy",
@@ -426,6 +432,61 @@ def builtin_all_reduce_replaced(replacement: Callable[[Any, Any], Any]) -> Itera
 def optimizer_trainable_variables(optimizer: Any) -> list[Any]:
     """``optimizer._trainable_variables``: what ``apply(grads)`` without variables updates."""
     return list(optimizer._trainable_variables)
+
+
+def optimizer_base_variables(optimizer: Any) -> list[Any]:
+    """``optimizer._iterations`` and ``optimizer._learning_rate`` where it is a variable: the
+    state a Keras optimizer has before it is built (not a slot of any weight)."""
+    import keras
+
+    rate = optimizer._learning_rate
+    return [optimizer._iterations, *([rate] if isinstance(rate, keras.Variable) else [])]
+
+
+def optimizer_clip_gradients(optimizer: Any, grads: list[Any]) -> list[Any]:
+    """``optimizer._clip_gradients``: the optimizer's ``clipnorm`` / ``clipvalue`` /
+    ``global_clipnorm`` applied to ``grads``, as its ``apply`` would (sharded state applies
+    the optimizer's update without its ``apply``: ``training/sharding.py``)."""
+    return list(optimizer._clip_gradients(grads))
+
+
+def optimizer_uses_weight_decay(optimizer: Any, variable: Any) -> bool:
+    """``optimizer._use_weight_decay``: whether the optimizer decays ``variable`` (Keras's
+    ``exclude_from_weight_decay`` by variable and by name pattern)."""
+    return bool(optimizer._use_weight_decay(variable))
+
+
+def nadam_momentum_product(optimizer: Any) -> Any:
+    """``Nadam._u_product``: the product of momentum factors Nadam advances once per update."""
+    return optimizer._u_product
+
+
+def replace_checkpoint_children(trackable: Any, replaced: dict[str, Any]) -> None:
+    """Makes checkpoints see ``replaced[name]`` as ``trackable``'s child ``name``
+    (``Trackable._trackable_children``, which saving and restoring both read).
+
+    A sharded optimizer's ``_variables`` holds only its base state; its checkpoint must hold
+    the whole slots under that same child, whether reached as ``optimizer`` or as
+    ``model.optimizer`` (one object in the checkpoint's graph), so the checkpoint is the
+    unsharded optimizer's (``training/sharding.py``).
+    """
+    original = type(trackable)._trackable_children.__get__(trackable)
+
+    def children(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        found = dict(original(*args, **kwargs))
+        found.update(replaced)
+        return found
+
+    registry.replace("sharded-optimizer", trackable, "_trackable_children", children)
+
+
+def trackable_base() -> Any:
+    """``tf.__internal__.tracking.Trackable``: the base of an object that a checkpoint saves
+    through ``_serialize_to_tensors`` / ``_restore_from_tensors`` (sharded optimizer slots,
+    saved whole)."""
+    import tensorflow as tf
+
+    return tf.__internal__.tracking.Trackable
 
 
 # -- Keras losses ---------------------------------------------------------------------------

@@ -104,6 +104,25 @@ def reference_weights(
         return model.get_weights()
 
 
+#: How a worker's code for :func:`run_workers` starts: ``out`` (its output path prefix), the
+#: tests folder importable, ``strategy`` (MultiWorkerMirrored), Keras, tfscale, this module's
+#: ``DATA`` as ``x, y``, and an empty ``report`` (but the replica count) and ``weights``.
+WORKER_PRELUDE = """
+import json, os, sys
+import numpy as np
+sys.path.insert(0, sys.argv[2])
+out = sys.argv[1]
+import tensorflow as tf
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+import keras, tfscale
+from training.helpers import DATA, batches, tiny_model
+
+x, y = DATA
+report = {"replicas": strategy.num_replicas_in_sync}
+weights = {}
+"""
+
+
 def run_workers(code: str, args: list[str], workers: int = 2, timeout: float = 300.0) -> list[str]:
     """Runs ``python -c code OUT_PREFIX+i *args`` as ``workers`` MultiWorkerMirrored workers
     (one ``TF_CONFIG`` each on 127.0.0.1, one CPU device each) and returns their stdouts.

@@ -58,6 +58,7 @@ SET = {
     "sync_batchnorm": "True",
     "bucket_bytes": "1024",
     "gradient_compression": "'bf16'",
+    "shard_optimizer_state": "True",
     "checkpoint_dir": "str(folder)",
     "clipnorm": "1.0",
 }

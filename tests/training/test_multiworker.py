@@ -14,27 +14,18 @@ import pytest
 import tfscale
 from tfscale.testing import relative_difference
 
-from .helpers import DATA, batches, run_workers, strategy_for, tiny_model
+from .helpers import DATA, WORKER_PRELUDE, batches, run_workers, strategy_for, tiny_model
 
 pytestmark = pytest.mark.tf
 
 TESTS = Path(__file__).resolve().parents[1]
 
-_WORKER = """
-import json, os, sys
-import numpy as np
-sys.path.insert(0, sys.argv[2])
-out = sys.argv[1]
-import tensorflow as tf
-strategy = tf.distribute.MultiWorkerMirroredStrategy()
-import keras, tfscale
+_WORKER = (
+    WORKER_PRELUDE
+    + """
 from tfscale.training import Trainer
 from tfscale.training.prepare import prepared
-from training.helpers import DATA, batches, tiny_model
 
-x, y = DATA
-report = {"replicas": strategy.num_replicas_in_sync}
-weights = {}
 for name in ("sgd", "adam"):
     model = tiny_model(strategy, name)
     # verbose=1: only the chief may print a progress bar.
@@ -107,6 +98,7 @@ np.savez(out + ".npz", **weights)
 with open(out + ".json", "w") as handle:
     json.dump(report, handle)
 """
+)
 
 
 def _run_workers(tmp_path: Path, timeout: float = 240.0) -> list[dict[str, object]]:

@@ -77,7 +77,7 @@ INTERCEPTIONS: tuple[Interception, ...] = (
     Interception(
         "model-state",
         "a prepared keras.Model or keras.optimizers.Optimizer",
-        ("_tfscale", "_tfscale_update", "_tfscale_loop"),
+        ("_tfscale", "_tfscale_update", "_tfscale_loop", "_tfscale_sharded"),
         "object",
         "tfscale's own state of the object (no Keras code reads it), in the instance so that "
         "it lives and dies with the object",
@@ -115,6 +115,15 @@ INTERCEPTIONS: tuple[Interception, ...] = (
         "object",
         "sub-optimizers chosen by a function as it builds must be built for the strategy "
         "('Mixing different tf.distribute.Strategy objects')",
+    ),
+    Interception(
+        "sharded-optimizer",
+        "an optimizer with shard_optimizer_state=True",
+        ("build", "save_own_variables", "load_own_variables", "_trackable_children"),
+        "object",
+        "its slots are shards, one per replica (training/sharding.py): build makes the shards, "
+        "and checkpoints and Keras weights files hold the whole slots under the unsharded "
+        "optimizer's keys, so they restore on any replica count",
     ),
     Interception(
         "seed-generator",

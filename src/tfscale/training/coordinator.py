@@ -105,6 +105,7 @@ _REFUSED: Mapping[str, tuple[tuple[object, ...], str]] = {
     "sync_batchnorm": ((False,), _SYNCHRONOUS),
     "bucket_bytes": ((None,), _SYNCHRONOUS),
     "gradient_compression": ((None,), _SYNCHRONOUS),
+    "shard_optimizer_state": ((False,), _SYNCHRONOUS),
     "clipnorm": ((None,), "drop it (see tfscale.fit's global_clipnorm)"),
 }
 _NOT_YET = (

@@ -244,6 +244,7 @@ def fit(
     gradient_compression: str | None = None,
     checkpoint_dir: str | CheckpointConfig | None = None,
     clipnorm: None = None,
+    shard_optimizer_state: bool = False,
 ) -> keras.callbacks.History:
     """Trains a compiled Keras model over every replica of a strategy, as ``model.fit`` would
     on one device.
@@ -299,6 +300,8 @@ def fit(
         clipnorm: Refused with a ``TrainingError``: the global-norm clip is
             ``global_clipnorm``, as in Keras, where ``clipnorm`` clips each variable (set
             that on the optimizer: ``keras.optimizers.Adam(clipnorm=1.0)``).
+        shard_optimizer_state: Keep each optimizer slot once, one shard per replica (ZeRO
+            stage 1; see :func:`tfscale.prepare`).
 
     Returns:
         The ``keras.callbacks.History`` of the run.
@@ -371,6 +374,7 @@ def fit(
         sync_batchnorm=sync_batchnorm,
         bucket_bytes=bucket_bytes,
         gradient_compression=gradient_compression,
+        shard_optimizer_state=shard_optimizer_state,
     )
     resumed = None if config is None else saved_position(config.directory)
     seed = agreed_seed(_data_seed(resumed), strategy)

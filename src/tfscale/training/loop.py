@@ -51,7 +51,7 @@ from tfscale.training.optimizer import (
     distributed_update,
     step_in_progress,
 )
-from tfscale.training.options import Options, resolve_strategy
+from tfscale.training.options import Options, check_switch, resolve_strategy
 
 __all__ = ["LoopState", "loop_state", "prepare_loop", "prepared_sources", "register_loop"]
 
@@ -267,6 +267,7 @@ def prepare_loop(
     bucket_bytes: int | None = None,
     gradient_compression: str | None = None,
     clipnorm: None = None,
+    shard_optimizer_state: bool = False,
 ) -> Any:
     """Makes a custom training loop's ``optimizer.apply_gradients`` one device's update.
 
@@ -296,6 +297,8 @@ def prepare_loop(
         gradient_compression: ``"bf16"`` / ``"fp16"``: all-reduce dense gradients in it.
         clipnorm: Refused, as by :func:`tfscale.prepare`: the global-norm clip is
             ``global_clipnorm``; Keras's ``clipnorm`` (per variable) is set on the optimizer.
+        shard_optimizer_state: Keep each optimizer slot once, one shard per replica (ZeRO
+            stage 1; see :func:`tfscale.prepare`); the optimizer must not be built yet.
 
     Returns:
         The optimizer (the same object, prepared in place).
@@ -308,6 +311,7 @@ def prepare_loop(
     optimizer = getattr(model, "optimizer", None) if optimizer is None else optimizer
     _check(model, optimizer, loss, accumulation_steps)
     compression = check_compression(gradient_compression)
+    check_switch("shard_optimizer_state", shard_optimizer_state)
     strategy = resolve_strategy(model, strategy)
     # The loop's optimizer too: created outside the scope and held by no compiled model, it
     # would be built for the default strategy ("Mixing different tf.distribute.Strategy
@@ -315,16 +319,19 @@ def prepare_loop(
     adopt(model, strategy, [optimizer])
     if not model.built:
         _build_outside_steps(model, strategy)
+    update = distributed_update(optimizer, strategy)
+    if shard_optimizer_state:
+        update.shard_state()  # before the build, which then creates shards, not whole slots
     if not optimizer.built and model.built and model.trainable_variables:
         with strategy.scope():
             optimizer.build(model.trainable_variables)
-    update = distributed_update(optimizer, strategy)
     update.accumulation_steps = accumulation_steps
     update.options = Options(
         accumulation_steps=accumulation_steps,
         clipnorm=global_clipnorm,
         bucket_bytes=bucket_bytes,
         gradient_compression=compression,
+        shard_optimizer_state=bool(shard_optimizer_state),
     )
     if accumulation_steps > 1 and optimizer.built:
         update.build_accumulators(internals.optimizer_trainable_variables(optimizer))

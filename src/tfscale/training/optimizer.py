@@ -56,6 +56,7 @@ from tfscale.training import xla
 from tfscale.training.adopt import wrapped_optimizers
 from tfscale.training.allreduce import all_reduce_packed
 from tfscale.training.conventions import record_scaled
+from tfscale.training.sharding import ShardedState, install
 
 __all__ = [
     "DistributedUpdate",
@@ -205,6 +206,7 @@ class DistributedUpdate:
         self.loop_step: Callable[[DistributedUpdate, list[Any]], StepContext] | None = None
         self._original_apply: Callable[..., Any] = type(optimizer).apply.__get__(optimizer)
         self._accumulators: dict[int, tf.Variable] = {}
+        self.sharded: ShardedState | None = None
         with strategy.scope():
             self.all_reduce_runs = self._local_counter("all_reduce_runs", tf.int64)
             self.skipped, self.halted, self.halt_on_nonfinite = (
@@ -224,6 +226,14 @@ class DistributedUpdate:
             self._original_scale_loss = type(optimizer).scale_loss.__get__(optimizer)
             registry.replace("optimizer-apply", optimizer, "scale_loss", self.scale_loss)
         self._own_all_reduce_off()
+
+    def shard_state(self) -> None:
+        """Keeps the optimizer's slots sharded over the replicas (``training/sharding.py``).
+
+        Raises:
+            TrainingError: The optimizer's update is not elementwise, or it is built already.
+        """
+        self.sharded = install(self.optimizer, self.strategy)
 
     # -- variables -----------------------------------------------------------------------
     def _build_lazily(self, variables: Sequence[Any]) -> None:
@@ -328,6 +338,16 @@ class DistributedUpdate:
             return None  # traced inside a step compiled with XLA: applied after it (xla.py)
         context = tf.distribute.get_replica_context()
         if context is None:
+            if self.sharded is not None:
+                raise TrainingError(
+                    explain(
+                        "An optimizer with sharded state updates inside the replicas' step; "
+                        "it was called outside strategy.run.",
+                        received="optimizer.apply_gradients(...) in cross-replica context",
+                        fix="call it inside strategy.run(step, ...), or prepare without "
+                        "shard_optimizer_state",
+                    )
+                )
             # Cross-replica context (an eager call outside strategy.run): Keras's own path.
             return self._original_apply([_rows_summed(g) for g in grads], trainable_variables)
         running = tf.distribute.get_strategy()
@@ -505,7 +525,10 @@ class DistributedUpdate:
             full: list[Any] = [None] * len(grads)
             for i, g in zip(present, given, strict=True):
                 full[i] = g
-            self._original_apply(full, variables)
+            if self.sharded is not None:
+                self.sharded.apply(full, variables)  # each replica updates its shard
+            else:
+                self._original_apply(full, variables)
 
         def skip() -> None:
             self.skipped.assign_add(1)

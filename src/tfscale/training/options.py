@@ -60,6 +60,8 @@ class Options:
         precision: The decided mixed precision.
         bucket_bytes: Bytes per gradient all-reduce bucket; None, one packed all-reduce.
         gradient_compression: ``"bf16"`` / ``"fp16"``: all-reduce dense gradients in it.
+        shard_optimizer_state: Keep each optimizer slot once, one shard per replica (ZeRO
+            stage 1, ``training/sharding.py``).
     """
 
     accumulation_steps: int = 1
@@ -70,6 +72,7 @@ class Options:
     jit_compile: bool = False
     sync_batchnorm: bool = False
     precision: Precision = field(default_factory=lambda: resolve_precision(None))
+    shard_optimizer_state: bool = False
 
 
 def resolve_strategy(model: Any, strategy: tf.distribute.Strategy | None) -> Any:

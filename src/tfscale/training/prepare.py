@@ -209,6 +209,8 @@ class Prepared:
             update = distributed_update(optimizer, self.strategy)
             update.accumulation_steps = self.options.accumulation_steps
             update.options = self.options
+            if self.options.shard_optimizer_state:
+                update.shard_state()
             out.append(update)
         return out
 
@@ -400,6 +402,7 @@ def prepare(
     bucket_bytes: int | None = None,
     gradient_compression: str | None = None,
     clipnorm: None = None,
+    shard_optimizer_state: bool = False,
 ) -> Any:
     """Makes a compiled model's ``fit`` / ``evaluate`` correct and complete on every replica.
 
@@ -428,6 +431,11 @@ def prepare(
             65504: use it with loss scaling, which backs off on overflow.
         clipnorm: Refused: the global-norm clip is ``global_clipnorm``, as in Keras, where
             ``clipnorm`` clips each variable (set that on the optimizer).
+        shard_optimizer_state: Keep each optimizer slot (Adam's moments) once, cut into one
+            shard per replica, each replica updating its shard of the weights (ZeRO stage
+            1): the optimizer state per device is 1/N of it. The same updates; refused for
+            an optimizer whose update is not elementwise or that is already built
+            (``training/sharding.py``).
 
     Returns:
         The same model object.
@@ -448,6 +456,7 @@ def prepare(
         bucket_bytes=bucket_bytes,
         gradient_compression=gradient_compression,
         clipnorm=clipnorm,
+        shard_optimizer_state=shard_optimizer_state,
     )
     for update in state.updates():
         register_loop(model, update)  # the same update in a custom loop (training/loop.py)
@@ -467,6 +476,7 @@ def prepare_model(
     bucket_bytes: int | None = None,
     gradient_compression: str | None = None,
     clipnorm: None = None,
+    shard_optimizer_state: bool = False,
 ) -> Prepared:
     """:func:`prepare` without the custom-loop side: ``tfscale.fit`` trains through Keras's
     ``fit`` only, so it holds no watch on the user's tapes (``training/loop.py``)."""
@@ -479,6 +489,7 @@ def prepare_model(
     compression = check_compression(gradient_compression)
     check_switch("remat", remat)
     check_switch("sync_batchnorm", sync_batchnorm)
+    check_switch("shard_optimizer_state", shard_optimizer_state)
     check_switch("jit_compile", jit_compile, auto=True)
     precision = resolve_precision(mixed_precision)
     strategy = resolve_strategy(model, strategy)
@@ -496,6 +507,7 @@ def prepare_model(
         precision=precision,
         bucket_bytes=bucket_bytes,
         gradient_compression=compression,
+        shard_optimizer_state=bool(shard_optimizer_state),
     )
     state = prepared(model)
     if state is None or state.strategy is not strategy:
