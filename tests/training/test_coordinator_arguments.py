@@ -60,6 +60,8 @@ SET = {
     "gradient_compression": "'bf16'",
     "checkpoint_dir": "str(folder)",
     "clipnorm": "1.0",
+    "options": "tfscale.Options()",
+    "shard_optimizer_state": "True",
 }
 
 FIT_ARGUMENTS = list(inspect.signature(tfscale.fit).parameters)

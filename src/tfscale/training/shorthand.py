@@ -72,7 +72,8 @@ def options_for(entry: Entry, options: object, given: Mapping[str, Any]) -> Opti
     Raises:
         TrainingError: ``options`` is not an ``Options``; a value is invalid (the field's
             check: the same message as ``Options(...)``); a shorthand contradicts
-            ``options=``; or an option set is not honoured by ``entry``.
+            what ``options=`` sets (a field it holds away from the default); or an option
+            set is not honoured by ``entry``.
     """
     if options is not None and not isinstance(options, Options):
         raise TrainingError(
@@ -87,11 +88,19 @@ def options_for(entry: Entry, options: object, given: Mapping[str, Any]) -> Opti
     base = options if options is not None else Options()
     merged = dataclasses.replace(base, **given) if given else base
     if options is not None:
-        clashes = [n for n in given if n != "clipnorm" and getattr(merged, n) != getattr(base, n)]
+        # options= sets a field it holds away from the default; a keyword may add to it.
+        default = Options()
+        clashes = [
+            n
+            for n in given
+            if n != "clipnorm"
+            and getattr(base, n) != getattr(default, n)
+            and getattr(merged, n) != getattr(base, n)
+        ]
         if clashes:
             raise TrainingError(
                 explain(
-                    "An option was given twice, as a keyword and in options=, differently.",
+                    "An option was set twice, in options= and as a keyword, differently.",
                     received=", ".join(
                         f"{n}={given[n]!r} and options.{n}={getattr(base, n)!r}" for n in clashes
                     ),
