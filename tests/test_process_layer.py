@@ -1,4 +1,5 @@
-"""Every child process starts through ``tfscale.processes``, and tfscale has no import cycle.
+"""Every child process starts through ``tfscale.processes``, and tfscale has no import cycle
+between its modules nor between its packages.
 
 Both are read from the source (AST), so they cost no process: a new ``subprocess.Popen``
 or ``multiprocessing`` anywhere else, or a module importing one that imports it back,
@@ -121,3 +122,38 @@ def test_no_import_cycle_between_tfscale_modules() -> None:
 
 def test_the_cycle_search_finds_a_cycle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def _package_graph() -> dict[str, set[str]]:
+    """The module graph with each package (and each root module) as one node:
+    ``tfscale.training.fit`` -> ``training``, ``tfscale.internals`` -> ``internals``."""
+    modules = dict(_modules())
+    known = set(modules)
+
+    def unit(name: str) -> str:
+        return name.split(".")[1] if name.count(".") else "tfscale"
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        source = unit(name)
+        targets = {unit(t) for t in _imports(name, path, known)} - {source, "tfscale"}
+        graph.setdefault(source, set()).update(targets)
+    for targets in list(graph.values()):
+        for target in targets:
+            graph.setdefault(target, set())
+    return graph
+
+
+def test_no_import_cycle_between_packages() -> None:
+    """Modules without a cycle can still make packages that import each other (training's
+    checkpoint used the launcher's note while the launcher's worker used training's data):
+    the packages must form no cycle either, so each can be read as a layer."""
+    graph = _package_graph()
+    assert {"training", "launch", "profiling", "cli"} <= set(graph), "the scan found too little"
+    cycles = [" -> ".join(c) for c in _cycles(graph)]
+    assert cycles == [], "import cycles between packages (lazy imports count too)"
+
+
+def test_training_does_not_import_the_launcher() -> None:
+    """Their contract (the report folder, the checkpoint note) is cluster/notes.py."""
+    assert "launch" not in _package_graph()["training"]

@@ -46,6 +46,7 @@ _LAZY: dict[str, str] = {
     "fix_scope": "tfscale.scope",
     "track_variable_creation": "tfscale.scope",
     "CheckpointConfig": "tfscale.training",
+    "Options": "tfscale.training",
     "Trainer": "tfscale.training",
     "fit": "tfscale.training",
     "prepare": "tfscale.training",

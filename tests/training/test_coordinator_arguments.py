@@ -61,6 +61,7 @@ SET = {
     "shard_optimizer_state": "True",
     "checkpoint_dir": "str(folder)",
     "clipnorm": "1.0",
+    "options": "tfscale.Options()",
 }
 
 FIT_ARGUMENTS = list(inspect.signature(tfscale.fit).parameters)

@@ -50,6 +50,7 @@ import tensorflow as tf
 from tfscale import internals
 from tfscale.errors import TrainingError, explain
 from tfscale.training.adopt import adopt
+from tfscale.training.options import Entry, Options, option_fields, spec
 
 __all__ = [
     "HONOURED",
@@ -59,15 +60,18 @@ __all__ = [
     "unsupported_options",
 ]
 
-#: The ``tfscale.fit`` arguments this loop acts on. Every other one is refused, before any
-#: work, when set to a value that uses it (``unsupported_options``), so an argument added to
-#: ``tfscale.fit`` is refused here until this loop honours it.
+#: The ``tfscale.fit`` arguments this loop acts on: these, ``options=`` itself, and the
+#: options whose ``Spec.entries`` include ``Entry.PARAMETER_SERVER`` (none yet). Every other
+#: one is refused, before any work, when set to a value that uses it
+#: (``unsupported_options``), so an argument added to ``tfscale.fit`` is refused here until
+#: this loop honours it.
 HONOURED = frozenset(
     {
         "model", "x", "y", "sample_weight", "data", "strategy", "batch_size", "epochs",
         "initial_epoch", "steps_per_epoch", "shuffle", "callbacks", "verbose",
-        "checkpoint_dir",
+        "checkpoint_dir", "options",
     }
+    | {f.name for f in option_fields() if Entry.PARAMETER_SERVER in spec(f.name).entries}
 )  # fmt: skip
 
 _SYNCHRONOUS = (
@@ -81,7 +85,14 @@ _VALIDATION = (
     "--ps), where validation works"
 )
 
-# Refused argument -> (the values that leave it unused, how to do without it).
+# How to do without an option (Options' fields) this loop does not honour, beyond dropping it.
+_OPTION_HINTS = {
+    "global_clipnorm": "; to clip each worker's gradient, give the optimizer Keras's own "
+    "global_clipnorm (keras.optimizers.SGD(0.01, global_clipnorm=1.0))",
+}
+
+# Refused argument -> (the values that leave it unused, how to do without it): fit's own
+# arguments, then every option this loop does not honour (from Options' fields).
 _REFUSED: Mapping[str, tuple[tuple[object, ...], str]] = {
     "validation_split": ((0, 0.0), _VALIDATION),
     "validation_data": ((None,), _VALIDATION),
@@ -92,21 +103,13 @@ _REFUSED: Mapping[str, tuple[tuple[object, ...], str]] = {
         (None,),
         "weight each example instead: sample_weight=np.array([class_weight[int(c)] for c in y])",
     ),
-    "accumulation_steps": ((1,), _SYNCHRONOUS),
     "steps_per_execution": ((None, 1), _SYNCHRONOUS),
-    "mixed_precision": ((None,), _SYNCHRONOUS),
-    "global_clipnorm": (
-        (None,),
-        _SYNCHRONOUS + "; to clip each worker's gradient, give the optimizer Keras's own "
-        "global_clipnorm (keras.optimizers.SGD(0.01, global_clipnorm=1.0))",
-    ),
-    "remat": ((False,), _SYNCHRONOUS),
-    "jit_compile": ((None, False), _SYNCHRONOUS),
-    "sync_batchnorm": ((False,), _SYNCHRONOUS),
-    "bucket_bytes": ((None,), _SYNCHRONOUS),
-    "gradient_compression": ((None,), _SYNCHRONOUS),
-    "shard_optimizer_state": ((False,), _SYNCHRONOUS),
     "clipnorm": ((None,), "drop it (see tfscale.fit's global_clipnorm)"),
+    **{
+        f.name: (spec(f.name).unused, _SYNCHRONOUS + _OPTION_HINTS.get(f.name, ""))
+        for f in option_fields()
+        if f.name not in HONOURED
+    },
 }
 _NOT_YET = (
     "drop it: the coordinator loop (tfscale/training/coordinator.py) does not pass it on; "
@@ -140,16 +143,33 @@ def _limits(arguments: Mapping[str, object]) -> dict[str, str]:
     return limits
 
 
+def _expanded(arguments: Mapping[str, object]) -> dict[str, object]:
+    """``arguments`` with an ``options=`` :class:`Options` replaced by its fields, so that
+    each option is judged (and named) on its own; a field left unused there keeps the value
+    given by its own name."""
+    given = dict(arguments)
+    options = given.pop("options", None)
+    if not isinstance(options, Options):
+        return given
+    for each in option_fields():
+        value = getattr(options, each.name)
+        if each.name not in given or not _unused(value, spec(each.name).unused):
+            given[each.name] = value
+    return given
+
+
 def unsupported_options(
     options: Mapping[str, object], defaults: Mapping[str, object] | None = None
 ) -> list[str]:
     """The names of ``fit`` arguments set to values this loop cannot honour.
 
     Args:
-        options: ``tfscale.fit``'s arguments by name (some or all).
+        options: ``tfscale.fit``'s arguments by name (some or all); an ``options`` entry
+            (a :class:`tfscale.Options`) stands for its fields.
         defaults: ``tfscale.fit``'s defaults, which say "unused" for an argument this
             module does not know yet (None otherwise).
     """
+    options = _expanded(options)
     limits = _limits(options)
     refused = []
     for name, value in options.items():
@@ -171,6 +191,7 @@ def refuse_unsupported(
     Raises:
         TrainingError: Naming each such argument with its fix.
     """
+    options = _expanded(options)
     refused = unsupported_options(options, defaults)
     if not refused:
         return
@@ -241,8 +262,9 @@ def fit_with_coordinator(
         initial_epoch: The epoch to start at (a restored checkpoint's, if later).
         shuffle: False reads the arrays in order; True shuffles each worker's copy.
         max_to_keep: Checkpoints kept in ``checkpoint_dir``.
-        **options: Other ``tfscale.fit`` arguments; any set to a value this loop cannot
-            honour raises (:func:`unsupported_options`).
+        **options: Other ``tfscale.fit`` arguments, ``options=tfscale.Options(...)``
+            included; any set to a value this loop cannot honour raises
+            (:func:`unsupported_options`).
 
     Returns:
         The History: each epoch's ``model.get_metrics_result()`` (``loss``, the compiled

@@ -34,7 +34,6 @@ from tfscale.training.checkpoint import (
 from tfscale.training.checks import (
     check_batch_size,
     check_checkpoint_dir,
-    check_global_clipnorm,
     check_inputs,
     check_pipeline_batches,
     check_steps,
@@ -48,8 +47,9 @@ from tfscale.training.coordinator import (
     refuse_unsupported,
 )
 from tfscale.training.data import agreed_seed, finite_length, plan_inputs
-from tfscale.training.options import check_switch, resolve_strategy
+from tfscale.training.options import Entry, Options, resolve_strategy
 from tfscale.training.prepare import check_model, prepare_model
+from tfscale.training.shorthand import takes_options
 
 __all__ = ["AUTO_STEPS_PER_EXECUTION", "TfscaleFit", "auto_steps_per_execution", "fit"]
 
@@ -212,6 +212,7 @@ def auto_steps_per_execution(
     return AUTO_STEPS_PER_EXECUTION
 
 
+@takes_options(Entry.FIT)
 def fit(
     model: Any,
     x: Any = None,
@@ -233,18 +234,9 @@ def fit(
     *,
     data: Any = None,
     strategy: tf.distribute.Strategy | None = None,
-    accumulation_steps: int = 1,
     steps_per_execution: int | None = None,
-    mixed_precision: str | None = None,
-    global_clipnorm: float | None = None,
-    remat: bool = False,
-    jit_compile: bool | None = None,
-    sync_batchnorm: bool = False,
-    bucket_bytes: int | None = None,
-    gradient_compression: str | None = None,
     checkpoint_dir: str | CheckpointConfig | None = None,
-    clipnorm: None = None,
-    shard_optimizer_state: bool = False,
+    options: Options,
 ) -> keras.callbacks.History:
     """Trains a compiled Keras model over every replica of a strategy, as ``model.fit`` would
     on one device.
@@ -279,29 +271,14 @@ def fit(
             dataset or ``dataset_fn``.
         strategy: The strategy; None takes the current scope's, the model's own, or
             ``tfscale.choose_strategy()``.
-        accumulation_steps: Batches per optimizer update (see :func:`tfscale.prepare`).
         steps_per_execution: Steps per compiled call for this fit; None keeps compile()'s,
             or runs :data:`AUTO_STEPS_PER_EXECUTION` where that changes nothing but the
             time (no callback watches batches, no validation: see
-            :func:`auto_steps_per_execution`); 1 runs one step per call.
-        mixed_precision: None, ``"bf16"`` or ``"fp16"``.
-        global_clipnorm: Clip the all-reduced gradient to this global norm (Keras's
-            ``global_clipnorm``, applied after the all-reduce).
-        remat: Recompute activations in the backward pass to save memory.
-        jit_compile: XLA for each replica's forward and backward pass; None keeps
-            compile()'s choice.
-        sync_batchnorm: Normalize with the whole global batch's statistics.
-        bucket_bytes: All-reduce gradients in buckets of this many bytes, overlapped with the
-            backward pass (a larger gradient is a bucket of its own); None packs them into
-            one all-reduce (see :func:`tfscale.prepare`).
-        gradient_compression: ``"bf16"`` / ``"fp16"``: all-reduce dense gradients in it.
+            :func:`auto_steps_per_execution`); 1 runs one step per call. An argument of
+            this run, as ``checkpoint_dir``, rather than an option of the update: not in
+            :class:`tfscale.Options`.
         checkpoint_dir: Folder (or :class:`CheckpointConfig`) to save to every epoch and
             every N steps, and to resume from, mid-epoch included.
-        clipnorm: Refused with a ``TrainingError``: the global-norm clip is
-            ``global_clipnorm``, as in Keras, where ``clipnorm`` clips each variable (set
-            that on the optimizer: ``keras.optimizers.Adam(clipnorm=1.0)``).
-        shard_optimizer_state: Keep each optimizer slot once, one shard per replica (ZeRO
-            stage 1; see :func:`tfscale.prepare`).
 
     Returns:
         The ``keras.callbacks.History`` of the run.
@@ -317,24 +294,18 @@ def fit(
     # NumPy integers are taken wherever model.fit takes them.
     (
         batch_size, epochs, initial_epoch, steps_per_epoch, validation_steps,
-        validation_batch_size, validation_freq, verbose, accumulation_steps,
-        steps_per_execution, bucket_bytes,
+        validation_batch_size, validation_freq, verbose, steps_per_execution,
     ) = (
         python_int(value) for value in (
             batch_size, epochs, initial_epoch, steps_per_epoch, validation_steps,
-            validation_batch_size, validation_freq, verbose, accumulation_steps,
-            steps_per_execution, bucket_bytes,
+            validation_batch_size, validation_freq, verbose, steps_per_execution,
         )
     )  # fmt: skip
-    global_clipnorm = check_global_clipnorm(global_clipnorm, clipnorm)
     _check_epochs(epochs, initial_epoch)
     x, y, sample_weight = _from_data(data, x, y, sample_weight)
     check_model(model)
     check_batch_size("batch_size", batch_size)
     check_batch_size("validation_batch_size", validation_batch_size)
-    for name, value in (("remat", remat), ("sync_batchnorm", sync_batchnorm)):
-        check_switch(name, value)
-    check_switch("jit_compile", jit_compile, auto=True)
     check_steps("steps_per_epoch", steps_per_epoch)
     check_steps("validation_steps", validation_steps)
     check_validation_freq(validation_freq)
@@ -342,7 +313,8 @@ def fit(
     parameter_server = is_parameter_server(strategy)
     if parameter_server:
         # Every argument the coordinator loop does not honour is refused here, by name,
-        # before any work (the checkpoint folder is not even created).
+        # before any work (the checkpoint folder is not even created); each option in
+        # options= by its own name (coordinator.refuse_unsupported).
         arguments.update(x=x, y=y, sample_weight=sample_weight)
         refuse_unsupported(arguments, _defaults())
     config = _checkpoint_config(checkpoint_dir)
@@ -363,19 +335,7 @@ def fit(
             shuffle=shuffle,
             max_to_keep=2 if config is None else config.max_to_keep,
         )
-    state = prepare_model(
-        model,
-        strategy,
-        accumulation_steps=accumulation_steps,
-        global_clipnorm=global_clipnorm,
-        mixed_precision=mixed_precision,
-        remat=remat,
-        jit_compile=jit_compile,
-        sync_batchnorm=sync_batchnorm,
-        bucket_bytes=bucket_bytes,
-        gradient_compression=gradient_compression,
-        shard_optimizer_state=shard_optimizer_state,
-    )
+    state = prepare_model(model, strategy, options)
     resumed = None if config is None else saved_position(config.directory)
     seed = agreed_seed(_data_seed(resumed), strategy)
     callback_list = list(callbacks or [])

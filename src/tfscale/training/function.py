@@ -128,7 +128,7 @@ class StepFunction:
     Args:
         model: The prepared model.
         kind: ``"train"`` or ``"test"``.
-        options: The model's tfscale options (``prepare.Options``).
+        options: The model's decided tfscale options (``options.Decided``).
         all_reduce: False runs the same step without the gradient all-reduce (profiling).
         steps_per_execution: Steps per call; None takes the model's (compile()'s).
     """

@@ -42,8 +42,6 @@ from tfscale.errors import TrainingError, explain
 from tfscale.interop import registry
 from tfscale.training import conventions
 from tfscale.training.adopt import adopt, keras_accumulation_steps
-from tfscale.training.allreduce import check_compression
-from tfscale.training.checks import check_global_clipnorm, python_int
 from tfscale.training.conventions import DECLARED, Declared, Weighting
 from tfscale.training.optimizer import (
     DistributedUpdate,
@@ -51,7 +49,8 @@ from tfscale.training.optimizer import (
     distributed_update,
     step_in_progress,
 )
-from tfscale.training.options import Options, check_switch, resolve_strategy
+from tfscale.training.options import Entry, Options, decide, resolve_strategy
+from tfscale.training.shorthand import takes_options
 
 __all__ = ["LoopState", "loop_state", "prepare_loop", "prepared_sources", "register_loop"]
 
@@ -204,7 +203,7 @@ def loop_state(optimizer: Any) -> LoopState | None:
     return state if isinstance(state, LoopState) else None
 
 
-def _check(model: Any, optimizer: Any, loss: object, accumulation_steps: object) -> None:
+def _check(model: Any, optimizer: Any, loss: object) -> None:
     if not isinstance(model, keras.Model):
         raise TrainingError(
             explain(
@@ -233,16 +232,6 @@ def _check(model: Any, optimizer: Any, loss: object, accumulation_steps: object)
                 fix='leave loss="auto": tfscale recognizes the loss, or refuses it by name',
             )
         )
-    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int):
-        accumulation_steps = 0
-    if accumulation_steps < 1:
-        raise TrainingError(
-            explain(
-                "accumulation_steps must be a positive integer.",
-                received=f"accumulation_steps={accumulation_steps!r}",
-                allowed="an int >= 1",
-            )
-        )
     steps = keras_accumulation_steps(optimizer)
     if steps:
         raise TrainingError(
@@ -256,18 +245,14 @@ def _check(model: Any, optimizer: Any, loss: object, accumulation_steps: object)
         )
 
 
+@takes_options(Entry.PREPARE_LOOP)
 def prepare_loop(
     model: Any,
     optimizer: Any = None,
     strategy: tf.distribute.Strategy | None = None,
     *,
     loss: Declared = "auto",
-    accumulation_steps: int = 1,
-    global_clipnorm: float | None = None,
-    bucket_bytes: int | None = None,
-    gradient_compression: str | None = None,
-    clipnorm: None = None,
-    shard_optimizer_state: bool = False,
+    options: Options,
 ) -> Any:
     """Makes a custom training loop's ``optimizer.apply_gradients`` one device's update.
 
@@ -289,16 +274,6 @@ def prepare_loop(
             ``tf.nn.scale_regularization_loss``), and refuses anything else before the first
             update; ``"mean"``: a per-replica mean written as on one device; ``"global"``:
             already divided by the global batch; ``"sum"``: a sum over the replica's examples.
-        accumulation_steps: Batches per update: every k-th ``apply`` updates with the mean
-            over all k batches' examples (one all-reduce); the others only accumulate.
-        global_clipnorm: Clip the all-reduced gradient to this global norm (Keras's
-            ``global_clipnorm``, applied after the all-reduce).
-        bucket_bytes: All-reduce buckets of this many bytes (see :func:`tfscale.prepare`).
-        gradient_compression: ``"bf16"`` / ``"fp16"``: all-reduce dense gradients in it.
-        clipnorm: Refused, as by :func:`tfscale.prepare`: the global-norm clip is
-            ``global_clipnorm``; Keras's ``clipnorm`` (per variable) is set on the optimizer.
-        shard_optimizer_state: Keep each optimizer slot once, one shard per replica (ZeRO
-            stage 1; see :func:`tfscale.prepare`); the optimizer must not be built yet.
 
     Returns:
         The optimizer (the same object, prepared in place).
@@ -306,12 +281,9 @@ def prepare_loop(
     Raises:
         TrainingError: An argument tfscale cannot use (the message says which and the fix).
     """
-    global_clipnorm = check_global_clipnorm(global_clipnorm, clipnorm)
-    accumulation_steps = python_int(accumulation_steps)  # NumPy integers, as model.fit
     optimizer = getattr(model, "optimizer", None) if optimizer is None else optimizer
-    _check(model, optimizer, loss, accumulation_steps)
-    compression = check_compression(gradient_compression)
-    check_switch("shard_optimizer_state", shard_optimizer_state)
+    _check(model, optimizer, loss)
+    accumulation_steps = options.accumulation_steps
     strategy = resolve_strategy(model, strategy)
     # The loop's optimizer too: created outside the scope and held by no compiled model, it
     # would be built for the default strategy ("Mixing different tf.distribute.Strategy
@@ -320,19 +292,13 @@ def prepare_loop(
     if not model.built:
         _build_outside_steps(model, strategy)
     update = distributed_update(optimizer, strategy)
-    if shard_optimizer_state:
+    if options.shard_optimizer_state:
         update.shard_state()  # before the build, which then creates shards, not whole slots
     if not optimizer.built and model.built and model.trainable_variables:
         with strategy.scope():
             optimizer.build(model.trainable_variables)
     update.accumulation_steps = accumulation_steps
-    update.options = Options(
-        accumulation_steps=accumulation_steps,
-        clipnorm=global_clipnorm,
-        bucket_bytes=bucket_bytes,
-        gradient_compression=compression,
-        shard_optimizer_state=bool(shard_optimizer_state),
-    )
+    update.options = decide(options)
     if accumulation_steps > 1 and optimizer.built:
         update.build_accumulators(internals.optimizer_trainable_variables(optimizer))
     register_loop(model, update, loss)

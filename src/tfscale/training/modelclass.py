@@ -30,23 +30,39 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import keras
 
 from tfscale import internals
 from tfscale.interop import registry
 
-if TYPE_CHECKING:
-    from tfscale.training.prepare import Prepared
-
-__all__ = ["model_class", "prepared_class", "state_of"]
+__all__ = ["State", "give_prepared_class", "model_class", "prepared_class", "state_of"]
 
 _STATE = "_tfscale"  # the instance attribute holding the model's Prepared
 
 
-def state_of(model: Any) -> Prepared | None:
-    """The model's tfscale state (``Prepared``), or None where it was never prepared."""
+class State(Protocol):
+    """What the prepared class asks of the model's tfscale state (``prepare.Prepared``)."""
+
+    def make_function(self, kind: str, force: bool) -> Any: ...
+
+    def symbolic_build(self, iterator: Any, data_batch: Any) -> Any: ...
+
+    def compute_loss(
+        self, own: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any: ...
+
+    def get_metrics_result(self, own: Callable[[], Any]) -> Any: ...
+
+    def keras_fit(
+        self, own: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any: ...
+
+
+def state_of(model: Any) -> Any:
+    """The model's tfscale state (a ``prepare.Prepared``), or None where it was never
+    prepared."""
     return model.__dict__.get(_STATE) if hasattr(model, "__dict__") else None
 
 
@@ -130,7 +146,7 @@ def prepared_class(cls: type) -> type:
     return made
 
 
-def give_prepared_class(model: Any, state: Prepared) -> None:
+def give_prepared_class(model: Any, state: State) -> None:
     """Makes ``model`` an object of its prepared class, holding ``state``."""
     registry.replace("model-state", model, _STATE, state)
     made = prepared_class(type(model))

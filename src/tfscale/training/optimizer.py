@@ -79,8 +79,8 @@ class StepContext:
         loss_share: The scaled loss this replica's backward pass ran on was divided by this
             (``LossScaleOptimizer.scale_loss`` under N replicas: N); ``apply`` weighs its
             gradients by ``count * loss_share``, the example total staying ``count``.
-        options: The tracing step function's ``prepare.Options``: its ``bucket_bytes``,
-            ``gradient_compression`` and ``clipnorm`` are the update's in this step (two
+        options: The tracing step function's ``options.Decided``: its ``bucket_bytes``,
+            ``gradient_compression`` and ``global_clipnorm`` are the update's in this step (two
             functions of one model, e.g. profiling's with and without the all-reduce, each
             keep theirs); None uses the update's ``options``.
         weight: What the gradient is multiplied by before the all-reduce, where it is not
@@ -182,10 +182,10 @@ class DistributedUpdate:
     Attributes:
         optimizer: The model's optimizer (possibly a ``LossScaleOptimizer``).
         accumulation_steps: Micro-batches per update.
-        options: The last ``prepare.Options`` given (its ``clipnorm``, ``bucket_bytes`` and
-            ``gradient_compression``), for an ``apply`` outside tfscale's step functions;
-            inside one, the step's own options win (:class:`StepContext`). None: no
-            clipping, one packed float32 all-reduce.
+        options: The last ``options.Decided`` given (its ``global_clipnorm``,
+            ``bucket_bytes`` and ``gradient_compression``), for an ``apply`` outside
+            tfscale's step functions; inside one, the step's own options win
+            (:class:`StepContext`). None: no clipping, one packed float32 all-reduce.
         all_reduce_traces: Gradient all-reduces traced so far (tests and profiling).
         all_reduce_runs: Gradient all-reduces run (replica 0's count).
         skipped: Updates skipped because a reduced gradient was not finite.
@@ -505,7 +505,7 @@ class DistributedUpdate:
         self._own_all_reduce_off()
         grads = [_rows_summed(g) for g in grads]
         options = self._step_options()
-        clipnorm = None if options is None else options.clipnorm
+        clipnorm = None if options is None else options.global_clipnorm
         if clipnorm is not None:
             threshold = tf.constant(clipnorm, tf.float32)
             if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):

@@ -28,7 +28,6 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Callable, MutableMapping
-from dataclasses import replace
 from types import FrameType
 from typing import Any, Protocol
 
@@ -40,20 +39,19 @@ from tfscale.errors import TfscaleError, TrainingError, explain
 from tfscale.interop import registry
 from tfscale.strategy_hooks import call_by_name
 from tfscale.training.adopt import adopt, has_call, keras_accumulation_steps, model_optimizers
-from tfscale.training.allreduce import check_compression
 from tfscale.training.callbacks import guarded, halt_released
-from tfscale.training.checks import check_batched, check_global_clipnorm, python_int
+from tfscale.training.checks import check_batched
 from tfscale.training.data import COPIED_FIT_ARGUMENTS, FitInputs, copied_batches
 from tfscale.training.function import StepFunction, example_count
 from tfscale.training.loop import register_loop
 from tfscale.training.modelclass import give_prepared_class, state_of
 from tfscale.training.optimizer import DistributedUpdate, distributed_update
-from tfscale.training.options import Options, check_switch, resolve_strategy
-from tfscale.training.precision import Precision, apply_policy, resolve_precision
+from tfscale.training.options import Decided, Entry, Options, decide, resolve_strategy
+from tfscale.training.precision import Precision, apply_policy
+from tfscale.training.shorthand import takes_options
 
 __all__ = [
     "FitRequest",
-    "Options",
     "Prepared",
     "prepare",
     "prepare_model",
@@ -111,18 +109,6 @@ def check_model(model: Any) -> None:
                     f"(or tfscale.prepare(model, accumulation_steps={steps}))",
                 )
             )
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise TrainingError(
-            explain(
-                f"{name} must be a positive integer.",
-                received=f"{name}={value!r}",
-                allowed="an int >= 1",
-            )
-        )
-    return value
 
 
 # One fit at a time per strategy object. Two fits sharing one MirroredStrategy in two
@@ -184,10 +170,10 @@ class Prepared:
     Attributes:
         model: The model.
         strategy: The strategy it trains under.
-        options: Its :class:`Options`.
+        options: Its :class:`~tfscale.training.options.Decided` options.
     """
 
-    def __init__(self, model: Any, strategy: tf.distribute.Strategy, options: Options) -> None:
+    def __init__(self, model: Any, strategy: tf.distribute.Strategy, options: Decided) -> None:
         self.model = model
         self.strategy = strategy
         self.options = options
@@ -389,20 +375,12 @@ def prepared(model: Any) -> Prepared | None:
     return state if isinstance(state, Prepared) else None
 
 
+@takes_options(Entry.PREPARE)
 def prepare(
     model: Any,
     strategy: tf.distribute.Strategy | None = None,
     *,
-    accumulation_steps: int = 1,
-    global_clipnorm: float | None = None,
-    mixed_precision: str | None = None,
-    remat: bool = False,
-    jit_compile: bool | None = None,
-    sync_batchnorm: bool = False,
-    bucket_bytes: int | None = None,
-    gradient_compression: str | None = None,
-    clipnorm: None = None,
-    shard_optimizer_state: bool = False,
+    options: Options,
 ) -> Any:
     """Makes a compiled model's ``fit`` / ``evaluate`` correct and complete on every replica.
 
@@ -410,32 +388,6 @@ def prepare(
         model: A compiled Keras model, built inside or outside the strategy's scope.
         strategy: The strategy; None takes the current scope's, the model's own, or
             ``tfscale.choose_strategy()``.
-        accumulation_steps: Batches (steps) accumulated per optimizer update; an update is
-            the mean over all their examples. ``optimizer.iterations`` counts updates.
-        global_clipnorm: Clip the all-reduced gradient to this global norm (Keras's
-            ``global_clipnorm``, applied after the all-reduce).
-        mixed_precision: None, ``"bf16"`` or ``"fp16"`` (wraps the optimizer in Keras's
-            ``LossScaleOptimizer``, whose finiteness test then sees the reduced gradient).
-        remat: Recompute activations in the backward pass to save memory.
-        jit_compile: Compile each replica's forward and backward pass with XLA; None keeps
-            what ``compile(jit_compile=...)`` decided.
-        sync_batchnorm: BatchNormalization layers normalize with the statistics of the
-            whole global batch (``BatchNormalization(synchronized=True)``), as on one device.
-        bucket_bytes: All-reduce the gradients in buckets of about this many bytes, from
-            the last layer's backwards, so that communication overlaps the rest of the
-            backward pass; None (the default) packs them into one all-reduce, the cheapest
-            for models whose gradients are small against ``sqrt(alpha * bytes / beta)``
-            (``tfscale bench`` measures alpha and beta and recommends a size).
-        gradient_compression: ``"bf16"`` or ``"fp16"``: all-reduce dense gradients in that
-            type (half the bytes; the sum is rounded to it). ``"fp16"`` overflows past
-            65504: use it with loss scaling, which backs off on overflow.
-        clipnorm: Refused: the global-norm clip is ``global_clipnorm``, as in Keras, where
-            ``clipnorm`` clips each variable (set that on the optimizer).
-        shard_optimizer_state: Keep each optimizer slot (Adam's moments) once, cut into one
-            shard per replica, each replica updating its shard of the weights (ZeRO stage
-            1): the optimizer state per device is 1/N of it. The same updates; refused for
-            an optimizer whose update is not elementwise or that is already built
-            (``training/sharding.py``).
 
     Returns:
         The same model object.
@@ -444,81 +396,39 @@ def prepare(
         TrainingError: The model cannot be trained this way (the message says why and how);
             also a ``ValueError``, as Keras's argument errors.
     """
-    state = prepare_model(
-        model,
-        strategy,
-        accumulation_steps=accumulation_steps,
-        global_clipnorm=global_clipnorm,
-        mixed_precision=mixed_precision,
-        remat=remat,
-        jit_compile=jit_compile,
-        sync_batchnorm=sync_batchnorm,
-        bucket_bytes=bucket_bytes,
-        gradient_compression=gradient_compression,
-        clipnorm=clipnorm,
-        shard_optimizer_state=shard_optimizer_state,
-    )
+    state = prepare_model(model, strategy, options)
     for update in state.updates():
         register_loop(model, update)  # the same update in a custom loop (training/loop.py)
     return model
 
 
 def prepare_model(
-    model: Any,
-    strategy: tf.distribute.Strategy | None,
-    *,
-    accumulation_steps: int = 1,
-    global_clipnorm: float | None = None,
-    mixed_precision: str | None = None,
-    remat: bool = False,
-    jit_compile: bool | None = None,
-    sync_batchnorm: bool = False,
-    bucket_bytes: int | None = None,
-    gradient_compression: str | None = None,
-    clipnorm: None = None,
-    shard_optimizer_state: bool = False,
+    model: Any, strategy: tf.distribute.Strategy | None, options: Options
 ) -> Prepared:
     """:func:`prepare` without the custom-loop side: ``tfscale.fit`` trains through Keras's
-    ``fit`` only, so it holds no watch on the user's tapes (``training/loop.py``)."""
-    accumulation_steps, bucket_bytes = python_int(accumulation_steps), python_int(bucket_bytes)
-    global_clipnorm = check_global_clipnorm(global_clipnorm, clipnorm)
+    ``fit`` only, so it holds no watch on the user's tapes (``training/loop.py``).
+
+    Args:
+        model: The compiled model.
+        strategy: The strategy, or None (:func:`resolve_strategy`).
+        options: The checked options of an entry that honours all of them.
+    """
     check_model(model)
-    _positive_int("accumulation_steps", accumulation_steps)
-    if bucket_bytes is not None:
-        _positive_int("bucket_bytes", bucket_bytes)
-    compression = check_compression(gradient_compression)
-    check_switch("remat", remat)
-    check_switch("sync_batchnorm", sync_batchnorm)
-    check_switch("shard_optimizer_state", shard_optimizer_state)
-    check_switch("jit_compile", jit_compile, auto=True)
-    precision = resolve_precision(mixed_precision)
     strategy = resolve_strategy(model, strategy)
     own_check = getattr(model, "check_strategy", None)  # a model placed over devices by hand
     if callable(own_check):
         own_check(strategy)
-    own = jit_compile is None or isinstance(jit_compile, str)  # None, "auto": compile()'s
-    jit = bool(model.jit_compile) if own else bool(jit_compile)
-    options = Options(
-        accumulation_steps=accumulation_steps,
-        clipnorm=global_clipnorm,
-        remat=bool(remat),
-        jit_compile=jit,
-        sync_batchnorm=bool(sync_batchnorm),
-        precision=precision,
-        bucket_bytes=bucket_bytes,
-        gradient_compression=compression,
-        shard_optimizer_state=bool(shard_optimizer_state),
-    )
+    decided = decide(options, compiled_jit=bool(model.jit_compile))
     state = prepared(model)
     if state is None or state.strategy is not strategy:
-        state = Prepared(model, strategy, options)
+        state = Prepared(model, strategy, decided)
         for name in ("train_function", "test_function", "predict_function"):
             registry.replace("compiled-functions", model, name, None)
-    elif state.options != options:
-        state.options = replace(options)
+    elif state.options != decided:
+        state.options = decided
     adopt(model, strategy)
-    _apply_precision(model, strategy, precision)
-    if sync_batchnorm:
+    _apply_precision(model, strategy, decided.precision)
+    if decided.sync_batchnorm:
         for layer in internals.flatten_layers(model):
             if isinstance(layer, keras.layers.BatchNormalization):
                 layer.synchronized = True

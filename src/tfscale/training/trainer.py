@@ -14,7 +14,9 @@ from typing import Any
 import tensorflow as tf
 
 from tfscale.training.function import StepFunction, StepTiming
+from tfscale.training.options import Entry, Options
 from tfscale.training.prepare import prepare, prepared
+from tfscale.training.shorthand import takes_options
 
 __all__ = ["StepTiming", "Trainer"]
 
@@ -22,53 +24,31 @@ __all__ = ["StepTiming", "Trainer"]
 class Trainer:
     """Runs optimizer updates of a compiled model on a strategy, one call per update.
 
-    Args:
-        model: A compiled Keras model (prepared here, in place).
-        strategy: The strategy; None as in :func:`tfscale.prepare`.
-        accumulation_steps: Micro-batches per update.
-        global_clipnorm: Clip the all-reduced gradient to this global norm.
-        mixed_precision: None, ``"bf16"`` or ``"fp16"``.
-        remat: Recompute activations in the backward pass.
-        jit_compile: XLA for each replica's forward and backward pass.
-        all_reduce: False applies each replica's own gradient (profiling only).
-        sample_batch: One batch of one replica; builds the model, its metrics and optimizer.
-        bucket_bytes: All-reduce buckets of this many bytes (None: one packed all-reduce).
-        gradient_compression: ``"bf16"`` / ``"fp16"``: all-reduce dense gradients in it.
-        clipnorm: Refused, as by :func:`tfscale.prepare`: use ``global_clipnorm``.
-
     Attributes:
         timings: :class:`StepTiming` of each update while ``record_timings`` is True.
         record_timings: Fetch each update's batches eagerly and time fetch and update apart.
     """
 
+    @takes_options(Entry.TRAINER)
     def __init__(
         self,
         model: Any,
         strategy: tf.distribute.Strategy | None = None,
         *,
-        accumulation_steps: int = 1,
-        global_clipnorm: float | None = None,
-        mixed_precision: str | None = None,
-        remat: bool = False,
-        jit_compile: bool = False,
         all_reduce: bool = True,
         sample_batch: Any = None,
-        bucket_bytes: int | None = None,
-        gradient_compression: str | None = None,
-        clipnorm: None = None,
+        options: Options,
     ) -> None:
-        prepare(
-            model,
-            strategy,
-            accumulation_steps=accumulation_steps,
-            global_clipnorm=global_clipnorm,
-            mixed_precision=mixed_precision,
-            clipnorm=clipnorm,
-            remat=remat,
-            jit_compile=jit_compile,
-            bucket_bytes=bucket_bytes,
-            gradient_compression=gradient_compression,
-        )
+        """Prepares ``model`` (as :func:`tfscale.prepare`) and builds its step function.
+
+        Args:
+            model: A compiled Keras model (prepared here, in place).
+            strategy: The strategy; None as in :func:`tfscale.prepare`.
+            all_reduce: False applies each replica's own gradient (profiling only).
+            sample_batch: One batch of one replica; builds the model, its metrics and
+                optimizer.
+        """
+        prepare(model, strategy, options=options)
         state = prepared(model)
         assert state is not None
         if sample_batch is not None:
