@@ -239,21 +239,32 @@ def lora_only(expected: Run, got: Run) -> None:
 PROMPT_LENGTH = 3
 
 
-def generates_as_reference(expected: Run, got: Run) -> None:
-    """After the fit, ``generate`` continues the same prompts to the same tokens as the
-    reference's model (greedy sampling), keeping the prompts."""
+def prompts() -> dict[str, np.ndarray]:
+    """4 prompts of ``PROMPT_LENGTH`` tokens, padded to ``LENGTH`` (what ``generate`` fills)."""
     x, _, _ = next_tokens()
-    ids = x["token_ids"][:4, : 2 * LENGTH].copy()
+    ids = x["token_ids"][:4].copy()
     mask = np.zeros_like(ids, dtype=bool)
     mask[:, :PROMPT_LENGTH] = True
     ids[~mask] = 0
-    prompts = {"token_ids": ids, "padding_mask": mask}
-    reference = expected.model.generate(prompts, stop_token_ids=None)
-    generated = got.model.generate(prompts, stop_token_ids=None)
-    assert generated["token_ids"].shape == ids.shape
-    np.testing.assert_array_equal(generated["token_ids"][:, :PROMPT_LENGTH], ids[:, :PROMPT_LENGTH])
-    assert generated["padding_mask"].all(), "generate stopped before max_length"
-    np.testing.assert_array_equal(generated["token_ids"], reference["token_ids"])
+    return {"token_ids": ids, "padding_mask": mask}
+
+
+def generated(model: Any) -> np.ndarray:
+    """The token ids ``model.generate`` continues ``prompts()`` with (to ``LENGTH``),
+    checked to keep the prompts and to fill every position."""
+    given = prompts()
+    tokens = model.generate(given, stop_token_ids=None)
+    assert tokens["token_ids"].shape == given["token_ids"].shape
+    kept = tokens["token_ids"][:, :PROMPT_LENGTH]
+    np.testing.assert_array_equal(kept, given["token_ids"][:, :PROMPT_LENGTH])
+    assert tokens["padding_mask"].all(), "generate stopped before max_length"
+    return np.asarray(tokens["token_ids"])
+
+
+def generates_as_reference(expected: Run, got: Run) -> None:
+    """After the fit, ``generate`` continues the same prompts to the same tokens as the
+    reference's model (greedy sampling)."""
+    np.testing.assert_array_equal(generated(got.model), generated(expected.model))
 
 
 # -- cases -----------------------------------------------------------------------------------------
