@@ -845,8 +845,14 @@ def _private_uses(path: Path) -> list[str]:
         elif isinstance(node, ast.Attribute):
             private = node.attr.startswith("_") and not node.attr.startswith("__")
             owner = node.value.id if isinstance(node.value, ast.Name) else ""
+            if (  # super(): the class's own method, as self
+                isinstance(node.value, ast.Call)
+                and isinstance(node.value.func, ast.Name)
+                and node.value.func.id == "super"
+            ):
+                owner = "super"
             if (
-                private and owner not in ("self", "cls", "sys", "os")
+                private and owner not in ("self", "cls", "sys", "os", "super")
             ) or node.attr == "__internal__":
                 found.append(f"{path.name}:{line} .{node.attr}")
         elif (

@@ -23,6 +23,8 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from tfscale.interop import registry
+
 __all__ = [
     "DEFAULT_STRATEGY_CLASS",
     "atomic_variable_updates",
@@ -48,9 +50,9 @@ __all__ = [
     "model_strategy",
     "node_key",
     "optimizer_trainable_variables",
-    "override",
     "per_replica_component_specs",
     "reduce_per_replica",
+    "register_same_name",
     "reinitialize_variable",
     "replica_count_scaling_off",
     "seed_generators",
@@ -73,19 +75,19 @@ __all__ = [
 
 
 # -- instances ------------------------------------------------------------------------------
-def override(instance: Any, name: str, value: Any) -> None:
-    """Sets ``name`` on one instance only, bypassing Keras's tracking ``__setattr__``.
+def register_same_name(made: type, cls: type) -> None:
+    """Makes Keras's saving record ``made`` under ``cls``'s registered name.
 
-    Keras layers and optimizers track attributes set on them (a function would be wrapped or
-    listed as a dependency); writing the instance ``__dict__`` replaces a method for that one
-    object and is undone with :func:`restore`.
+    ``keras.saving`` records an object's class by ``get_registered_name(type(obj))``, looked up
+    by class object in ``GLOBAL_CUSTOM_NAMES``: a registered model class (KerasHub's are,
+    as ``keras_hub>GPT2CausalLM``) would be saved under the bare class name by its prepared
+    subclass, and not load. Only the name is registered: loading still finds ``cls``.
     """
-    instance.__dict__[name] = value
+    from keras.src.saving import object_registration
 
-
-def restore(instance: Any, name: str) -> None:
-    """Undoes :func:`override`."""
-    instance.__dict__.pop(name, None)
+    names = object_registration.GLOBAL_CUSTOM_NAMES
+    if cls in names:
+        names[made] = names[cls]
 
 
 # -- Keras models ---------------------------------------------------------------------------
@@ -188,7 +190,9 @@ def uses_default_step(model: Any, name: str) -> bool:
     """
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
-    own = getattr(type(model), name, None)
+    # A prepared model's class wraps its own (training.modelclass): judge the model's class.
+    cls = type(model)
+    own = getattr(cls.__dict__.get("_tfscale_model_class", cls), name, None)
     return own is getattr(TensorFlowTrainer, name)
 
 
@@ -370,42 +374,30 @@ def disable_builtin_all_reduce(optimizer: Any) -> None:
     update, before the optimizer sees them.
     """
     if hasattr(type(optimizer), "_all_reduce_sum_gradients"):
-        override(optimizer, "_all_reduce_sum_gradients", list)
+        registry.replace("optimizer-all-reduce-off", optimizer, "_all_reduce_sum_gradients", list)
 
 
 # The per-call settings of the switches below (``builtin_all_reduce_replaced``,
-# ``replica_count_scaling_off``). The Keras names are replaced once, for good, by functions
-# that read these variables and otherwise do what Keras's own did. Swapping the Keras names
-# while a step was traced and restoring them after was global state: two fits tracing at
-# once in two threads (a TaskPool's) interleaved the swaps, the second saved the first one's
-# replacement as "the original" and restored it for good (#21.4). A ``contextvars`` variable
-# is per thread, so each step sees its own setting.
+# ``replica_count_scaling_off``, ``atomic_variable_updates``): the Keras names are replaced
+# through the registry while a switch is entered anywhere, by layers that read these
+# variables and otherwise do what Keras's own did, so that a thread that did not enter a
+# switch (another fit, a plain Keras loop) sees Keras's own behaviour.
 _ALL_REDUCE_REPLACEMENT: contextvars.ContextVar[Callable[[Any, Any], Any] | None] = (
     contextvars.ContextVar("tfscale_all_reduce_replacement", default=None)
 )
 _PER_REPLICA_LOSSES: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "tfscale_per_replica_losses", default=False
 )
-_INSTALL = threading.Lock()
-_ORIGINAL = "__tfscale_original__"  # on an installed switch: the Keras function it wraps
 
 
-def _install_all_reduce_switch() -> None:
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+def _all_reduce_switch(keras: Callable[..., Any]) -> Callable[..., Any]:
+    def switched(self: Any, grads_and_vars: Any) -> Any:
+        replacement = _ALL_REDUCE_REPLACEMENT.get()
+        if replacement is None:
+            return keras(self, grads_and_vars)
+        return replacement(self, grads_and_vars)
 
-    with _INSTALL:
-        current = TFOptimizer.__dict__["_all_reduce_sum_gradients"]
-        if hasattr(current, _ORIGINAL):
-            return
-
-        def switched(self: Any, grads_and_vars: Any) -> Any:
-            replacement = _ALL_REDUCE_REPLACEMENT.get()
-            if replacement is None:
-                return current(self, grads_and_vars)
-            return replacement(self, grads_and_vars)
-
-        setattr(switched, _ORIGINAL, current)
-        TFOptimizer._all_reduce_sum_gradients = switched
+    return switched
 
 
 @contextlib.contextmanager
@@ -418,12 +410,17 @@ def builtin_all_reduce_replaced(replacement: Callable[[Any, Any], Any]) -> Itera
     running in the thread that entered this sees it: enter it inside the replica function
     (MirroredStrategy runs each replica in a thread of its own).
     """
-    _install_all_reduce_switch()
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    release = registry.install(
+        "all-reduce-switch", TFOptimizer, "_all_reduce_sum_gradients", _all_reduce_switch
+    )
     token = _ALL_REDUCE_REPLACEMENT.set(replacement)
     try:
         yield
     finally:
         _ALL_REDUCE_REPLACEMENT.reset(token)
+        release()
 
 
 def optimizer_trainable_variables(optimizer: Any) -> list[Any]:
@@ -439,19 +436,11 @@ def keras_loss_module() -> Any:
     return loss
 
 
-def _install_loss_scaling_switch() -> None:
-    module = keras_loss_module()
-    with _INSTALL:
-        for name in ("scale_loss_for_distribution", "unscale_loss_for_distribution"):
-            current = getattr(module, name)
-            if hasattr(current, _ORIGINAL):
-                continue
+def _loss_scaling_switch(keras: Callable[..., Any]) -> Callable[..., Any]:
+    def switched(value: Any, *args: Any, **kwargs: Any) -> Any:
+        return value if _PER_REPLICA_LOSSES.get() else keras(value, *args, **kwargs)
 
-            def switched(value: Any, _keras: Callable[[Any], Any] = current) -> Any:
-                return value if _PER_REPLICA_LOSSES.get() else _keras(value)
-
-            setattr(switched, _ORIGINAL, current)
-            setattr(module, name, switched)
+    return switched
 
 
 @contextlib.contextmanager
@@ -469,12 +458,18 @@ def replica_count_scaling_off() -> Iterator[None]:
     this sees it: enter it inside the replica function (MirroredStrategy runs each replica in
     a thread of its own); other threads keep Keras's scaling.
     """
-    _install_loss_scaling_switch()
+    module = keras_loss_module()
+    releases = [
+        registry.install("loss-scaling-switch", module, name, _loss_scaling_switch)
+        for name in ("scale_loss_for_distribution", "unscale_loss_for_distribution")
+    ]
     token = _PER_REPLICA_LOSSES.set(True)
     try:
         yield
     finally:
         _PER_REPLICA_LOSSES.reset(token)
+        for release in releases:
+            release()
 
 
 _ATOMIC_UPDATES: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -482,28 +477,24 @@ _ATOMIC_UPDATES: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 
 
-def _install_atomic_update_switch() -> None:
-    from keras.src.backend.common.stateless_scope import in_stateless_scope
-    from keras.src.backend.tensorflow.core import Variable
+def _atomic_switch(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def layer(keras: Callable[..., Any]) -> Callable[..., Any]:
+        from keras.src.backend.common.stateless_scope import in_stateless_scope
 
-    with _INSTALL:
-        for name in ("assign_add", "assign_sub"):
-            current = getattr(Variable, name)
-            if hasattr(current, _ORIGINAL):
-                continue
+        def switched(self: Any, value: Any) -> Any:
+            if not _ATOMIC_UPDATES.get() or in_stateless_scope():
+                return keras(self, value)
+            import tensorflow as tf
 
-            def switched(
-                self: Any, value: Any, _keras: Callable[..., Any] = current, _name: str = name
-            ) -> Any:
-                if not _ATOMIC_UPDATES.get() or in_stateless_scope():
-                    return _keras(self, value)
-                import tensorflow as tf
+            backing = self._value
+            return getattr(backing, name)(tf.cast(value, backing.dtype))
 
-                backing = self._value
-                return getattr(backing, _name)(tf.cast(value, backing.dtype))
+        return switched
 
-            setattr(switched, _ORIGINAL, current)
-            setattr(Variable, name, switched)
+    return layer
+
+
+_ATOMIC_LAYERS = {name: _atomic_switch(name) for name in ("assign_add", "assign_sub")}
 
 
 @contextlib.contextmanager
@@ -518,129 +509,101 @@ def atomic_variable_updates() -> Iterator[None]:
     (AssignAddVariableOp, which holds the variable's lock). Enter it inside the replica
     function: only code traced in the thread that entered it sees it.
     """
-    _install_atomic_update_switch()
+    from keras.src.backend.tensorflow.core import Variable
+
+    releases = [
+        registry.install("atomic-updates", Variable, name, layer)
+        for name, layer in _ATOMIC_LAYERS.items()
+    ]
     token = _ATOMIC_UPDATES.set(True)
     try:
         yield
     finally:
         _ATOMIC_UPDATES.reset(token)
+        for release in releases:
+            release()
 
 
+_WATCH_LAYERS: dict[Any, Callable[[Callable[..., Any]], Callable[..., Any]]] = {}
 _WATCH_LOCK = threading.Lock()
-_GRADIENT_WATCHERS: list[Callable[[Any, Any], None]] = []
-_REDUCTION_WATCHERS: list[Callable[[str, Any, Any, dict[str, Any]], None]] = []
+
+
+def _gradient_layer(callback: Callable[[Any, Any], None]) -> Callable[..., Any]:
+    def layer(original: Callable[..., Any]) -> Callable[..., Any]:
+        def gradient(self: Any, target: Any, sources: Any, *args: Any, **kwargs: Any) -> Any:
+            callback(target, sources)
+            return original(self, target, sources, *args, **kwargs)
+
+        return gradient
+
+    return layer
 
 
 def watch_gradient_targets(callback: Callable[[Any, Any], None]) -> Callable[[], None]:
-    """Calls ``callback(target, sources)`` before every ``tf.GradientTape.gradient``.
+    """Calls ``callback(target, sources)`` before every ``tf.GradientTape.gradient`` until
+    the returned release is called (the registry's ``gradient-watch``).
 
-    Installed once (a wrapper of the method on ``tf.GradientTape``, kept for the process);
-    each callback is registered once. A custom training loop computes its loss in the user's
-    code: this is where tfscale sees which loss a replica differentiates
-    (``training/conventions.py``), so that the distributed update can weigh the gradient
-    as one device's. TensorFlow has no public hook on a tape's target. A callback that
-    raises stops the ``gradient`` call with its error. Returns a function that unregisters
-    the callback (the wrapper stays).
+    A custom training loop computes its loss in the user's code: this is where tfscale sees
+    which loss a replica differentiates (``training/conventions.py``), so that the
+    distributed update can weigh the gradient as one device's. TensorFlow has no public hook
+    on a tape's target. A callback that raises stops the ``gradient`` call with its error.
+    One callback watched several times is called once per gradient.
     """
     import tensorflow as tf
 
-    undo = _register(_GRADIENT_WATCHERS, callback)
     with _WATCH_LOCK:
-        tape = tf.GradientTape
-        if getattr(tape.gradient, "_tfscale_watched", False):
-            return undo
-        original = tape.gradient
-
-        # Not converted by AutoGraph when a tf.function's code calls it: the watchers are
-        # tfscale's Python, run at trace time (AutoGraph mangled their arguments).
-        @tf.autograph.experimental.do_not_convert
-        def gradient(self: Any, target: Any, sources: Any, *args: Any, **kwargs: Any) -> Any:
-            for watcher in list(_GRADIENT_WATCHERS):
-                watcher(target, sources)
-            return original(self, target, sources, *args, **kwargs)
-
-        gradient._tfscale_watched = True  # type: ignore[attr-defined]
-        gradient.__doc__ = original.__doc__
-        tape.gradient = gradient  # type: ignore[method-assign]
-    return undo
+        layer = _WATCH_LAYERS.setdefault(("gradient", callback), _gradient_layer(callback))
+    return registry.install("gradient-watch", tf.GradientTape, "gradient", layer)
 
 
-def _register(watchers: list[Any], callback: Any) -> Callable[[], None]:
-    with _WATCH_LOCK:
-        if callback not in watchers:
-            watchers.append(callback)
+def _reduction_layer(
+    callback: Callable[[str, Any, Any, dict[str, Any]], None], name: str
+) -> Callable[..., Any]:
+    def layer(original: Callable[..., Any]) -> Callable[..., Any]:
+        def reduction(*args: Any, **kwargs: Any) -> Any:
+            output = original(*args, **kwargs)
+            callback(name, output, args, kwargs)
+            return output
 
-    def undo() -> None:
-        with _WATCH_LOCK:
-            if callback in watchers:
-                watchers.remove(callback)
+        return reduction
 
-    return undo
+    return layer
 
 
 def watch_loss_reductions(
     callback: Callable[[str, Any, Any, dict[str, Any]], None],
 ) -> Callable[[], None]:
     """Calls ``callback(name, output, args, kwargs)`` after each loss reduction that scales
-    by the replica count or the global batch.
+    by the replica count or the global batch, until the returned release is called (the
+    registry's ``reduction-watch``).
 
     ``name`` is ``"keras_scale"`` (``keras.src.losses.loss.scale_loss_for_distribution``,
     which a Keras ``Loss`` object's mean goes through: divided by the replica count),
-    ``"compute_average_loss"`` or ``"scale_regularization_loss"`` (``tf.nn``'s). Installed
-    once, as wrappers that return what the original returns; the module attributes are
-    replaced, which is how user code and Keras's ``reduce_values`` look them up.
-    (``replica_count_scaling_off`` saves and restores whichever function is installed.)
-    Returns a function that unregisters the callback (the wrappers stay).
+    ``"compute_average_loss"`` or ``"scale_regularization_loss"`` (``tf.nn``'s). The module
+    attributes are replaced, which is how user code and Keras's ``reduce_values`` look them
+    up; the watch sits above or below ``replica_count_scaling_off``'s switch, whichever came
+    first (the callback sees which by the output).
     """
     import tensorflow as tf
 
-    undo = _register(_REDUCTION_WATCHERS, callback)
-    with _WATCH_LOCK:
-        module = keras_loss_module()
-        targets = [
-            (module, "scale_loss_for_distribution", "keras_scale"),
-            (tf.nn, "compute_average_loss", "compute_average_loss"),
-            (tf.nn, "scale_regularization_loss", "scale_regularization_loss"),
-        ]
-        for owner, attribute, name in targets:
-            original = getattr(owner, attribute)
-            if _watched(original):
-                continue
-            setattr(owner, attribute, _reduction_wrapper(original, name))
-    return undo
+    targets = [
+        (keras_loss_module(), "scale_loss_for_distribution", "keras_scale"),
+        (tf.nn, "compute_average_loss", "compute_average_loss"),
+        (tf.nn, "scale_regularization_loss", "scale_regularization_loss"),
+    ]
+    releases = []
+    for owner, attribute, name in targets:
+        with _WATCH_LOCK:
+            layer = _WATCH_LAYERS.setdefault(
+                ("reduction", callback, name), _reduction_layer(callback, name)
+            )
+        releases.append(registry.install("reduction-watch", owner, attribute, layer))
 
+    def release() -> None:
+        for each in releases:
+            each()
 
-def _watched(function: Any) -> bool:
-    """Whether a reduction wrapper is in the chain of wrappers ending at ``function``
-    (``replica_count_scaling_off``'s switch may sit above or below it)."""
-    seen = 0
-    while function is not None and seen < 16:
-        if getattr(function, "_tfscale_watched", False):
-            return True
-        function = getattr(function, _ORIGINAL, None) or getattr(function, "__wrapped__", None)
-        seen += 1
-    return False
-
-
-def _reduction_wrapper(original: Callable[..., Any], name: str) -> Callable[..., Any]:
-    import tensorflow as tf
-
-    @tf.autograph.experimental.do_not_convert  # as watch_gradient_targets' wrapper
-    def reduction(*args: Any, **kwargs: Any) -> Any:
-        output = original(*args, **kwargs)
-        for watcher in list(_REDUCTION_WATCHERS):
-            watcher(name, output, args, kwargs)
-        return output
-
-    reduction._tfscale_watched = True  # type: ignore[attr-defined]
-    reduction.__wrapped__ = original  # type: ignore[attr-defined]
-    if hasattr(original, _ORIGINAL):
-        # Above replica_count_scaling_off's switch: mark the chain as switched, so that the
-        # switch is not installed a second time above this wrapper.
-        setattr(reduction, _ORIGINAL, original)
-    reduction.__doc__ = original.__doc__
-    reduction.__name__ = getattr(original, "__name__", name)
-    return reduction
+    return release
 
 
 # -- TensorFlow -----------------------------------------------------------------------------
@@ -750,7 +713,7 @@ def forget_collective_setup(ctx: Any) -> None:
     """
     for name in ("_collective_ops_server_def", "_coordination_service_config"):
         if hasattr(ctx, name):
-            setattr(ctx, name, None)
+            registry.replace("collective-setup", ctx, name, None)
 
 
 _COORDINATION_CONFIG_MODULES = (

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tfscale.internals import DEFAULT_STRATEGY_CLASS
+from tfscale.interop import registry
 
 __all__ = ["call_by_name", "watch_fits", "watch_strategies"]
 
@@ -34,28 +35,29 @@ def watch_strategies(built: Built | None = None, ran: Ran | None = None) -> None
     """
     import tensorflow as tf
 
-    init_owner = _defining_class(tf.distribute.Strategy, "__init__")
-    run_owner = _defining_class(tf.distribute.Strategy, "run")
-    original_init: Callable[..., None] = init_owner.__init__  # type: ignore[misc]
-    original_run: Callable[..., Any] = run_owner.run  # type: ignore[attr-defined]
+    def watch_init(original_init: Callable[..., None]) -> Callable[..., None]:
+        def init(self: Any, *args: Any, **kwargs: Any) -> None:
+            original_init(self, *args, **kwargs)
+            if built is not None and type(self).__name__ != DEFAULT_STRATEGY_CLASS:
+                built(self)
 
-    @functools.wraps(original_init)
-    def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        original_init(self, *args, **kwargs)
-        if built is not None and type(self).__name__ != DEFAULT_STRATEGY_CLASS:
-            built(self)
+        return init
 
-    @functools.wraps(original_run)
-    def run(self: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        outputs = original_run(self, fn, *args, **kwargs)
-        if ran is not None:
-            ran(self, outputs)
-        return outputs
+    def watch_run(original_run: Callable[..., Any]) -> Callable[..., Any]:
+        def run(self: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
+            outputs = original_run(self, fn, *args, **kwargs)
+            if ran is not None:
+                ran(self, outputs)
+            return outputs
+
+        return run
 
     if built is not None:
-        init_owner.__init__ = init  # type: ignore[misc]
+        owner = _defining_class(tf.distribute.Strategy, "__init__")
+        registry.install("script-watch", owner, "__init__", watch_init)
     if ran is not None:
-        run_owner.run = run  # type: ignore[attr-defined]
+        owner = _defining_class(tf.distribute.Strategy, "run")
+        registry.install("script-watch", owner, "run", watch_run)
 
 
 Called = Callable[[Any, dict[str, Any]], None]
@@ -96,14 +98,12 @@ def watch_fits(called: Called) -> Callable[[], None]:
     """
     import keras
 
-    original: Callable[..., Any] = keras.Model.fit
+    def watch(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def fit(model: Any, *args: Any, **kwargs: Any) -> Any:
+            return call_by_name(original, model, args, kwargs, lambda named: called(model, named))
 
-    @functools.wraps(original)
-    def fit(model: Any, *args: Any, **kwargs: Any) -> Any:
-        return call_by_name(original, model, args, kwargs, lambda named: called(model, named))
+        return fit
 
-    def undo() -> None:
-        keras.Model.fit = original
-
-    keras.Model.fit = fit
-    return undo
+    owner = _defining_class(keras.Model, "fit")
+    return registry.install("script-watch", owner, "fit", watch)

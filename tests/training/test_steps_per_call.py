@@ -228,3 +228,50 @@ def test_several_steps_per_call_trace_keras_own_step_once() -> None:
     assert calls[1] > 0 and calls[None] == calls[1], calls
     # The loop of steps trains as one step per call does (the same seed, the same batches).
     assert relative_difference(weights[None], weights[1]) <= 1e-6
+
+
+class _CustomLogs(keras.Model):  # type: ignore[misc]
+    """Keras's trainer_test ``CustomTrainTestStepModel``: its train_step adds a Python float
+    (and here a NumPy value) to Keras's logs."""
+
+    def __init__(self) -> None:
+        super().__init__(name="custom_logs")
+        self.hidden = keras.layers.Dense(16, activation="relu")
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x: Any) -> Any:
+        return self.out(self.hidden(x))
+
+    def train_step(self, data: Any) -> Any:
+        logs = super().train_step(data)
+        logs["my_custom_metric"] = 10.0
+        logs["numpy_value"] = np.float32(3.5)
+        return logs
+
+
+def _custom_logs_model() -> keras.Model:
+    keras.utils.set_random_seed(7)
+    model = _CustomLogs()
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    return model
+
+
+@pytest.mark.parametrize("steps", [None, 1, 4])
+def test_python_and_numpy_numbers_in_a_steps_logs_give_one_devices_history(
+    steps: int | None,
+) -> None:
+    """Several steps per call carry the step's logs through a while loop; Python and NumPy
+    numbers there failed with ``'float' object has no attribute 'shape'``."""
+    x, y = _data(seed=12)
+    reference = _custom_logs_model()
+    with tf.device("/device:CPU:0"):
+        expected = reference.fit(x, y, batch_size=_BATCH, epochs=2, shuffle=False, verbose=0)
+    model = _custom_logs_model()
+    history = tfscale.fit(
+        model, x, y, batch_size=_BATCH, epochs=2, shuffle=False, verbose=0,
+        strategy=strategy_for(2), steps_per_execution=steps,
+    )  # fmt: skip
+    assert history.history["my_custom_metric"] == expected.history["my_custom_metric"] == [10.0] * 2
+    assert history.history["numpy_value"] == expected.history["numpy_value"] == [3.5] * 2
+    assert relative_difference(history.history["loss"], expected.history["loss"]) <= 1e-5
+    assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5

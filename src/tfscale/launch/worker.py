@@ -24,6 +24,7 @@ import contextlib
 import functools
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from tfscale.launch.together import (
@@ -97,14 +98,18 @@ class _Job:
     def watch_updates(self) -> None:
         import keras
 
-        original = keras.optimizers.Optimizer.apply
+        from tfscale.interop import registry
 
-        @functools.wraps(original)
-        def apply(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-            self.trained = True
-            return original(optimizer, *args, **kwargs)
+        def watch(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def apply(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+                self.trained = True
+                return original(optimizer, *args, **kwargs)
 
-        keras.optimizers.Optimizer.apply = apply
+            return apply
+
+        owner = next(c for c in keras.optimizers.Optimizer.__mro__ if "apply" in vars(c))
+        registry.install("script-watch", owner, "apply", watch)
 
     def watch_fit(self) -> None:
         import tensorflow as tf

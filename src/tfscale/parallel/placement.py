@@ -26,6 +26,7 @@ import tensorflow as tf
 from tfscale.device_names import select_devices
 from tfscale.errors import PartitionError, explain
 from tfscale.internals import backing_variable, reinitialize_variable, set_model_strategy
+from tfscale.interop import registry
 from tfscale.parallel.partition import PartitionPlan, chain_layers
 
 __all__ = ["PlacedModel", "move_weights", "place", "resolve_devices", "run_stage"]
@@ -81,7 +82,7 @@ def move_weights(model: keras.Model, placed: PlacedModel) -> None:
                     reinitialize_variable(variable, tf.identity(current))
     for attribute in ("train_function", "test_function", "predict_function"):
         if getattr(model, attribute, None) is not None:
-            setattr(model, attribute, None)
+            registry.replace("compiled-functions", model, attribute, None)
 
 
 def run_stage(

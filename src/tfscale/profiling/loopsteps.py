@@ -29,6 +29,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from tfscale.interop import registry
 from tfscale.profiling.callback import ProfileCallback
 from tfscale.profiling.timeline import STEP_MARKER
 
@@ -161,7 +162,6 @@ def watch_loop_steps(
     from tfscale.strategy_hooks import watch_strategies
 
     function_class = tf_function_class()
-    original: Callable[..., Any] = function_class.__call__
     calls = _Calls()
     steps: weakref.WeakKeyDictionary[Any, LoopSteps] = weakref.WeakKeyDictionary()
     active = [True]
@@ -172,30 +172,33 @@ def watch_loop_steps(
 
     watch_strategies(ran=ran)
 
-    def call(function: Any, *args: Any, **kwargs: Any) -> Any:
-        if not active[0] or calls.stack or tf.inside_function() or _fit_owned(function):
-            return original(function, *args, **kwargs)  # nested, traced inside another, fit's
-        timer = steps.get(function)
-        if timer is not None:
-            timer.on_train_batch_begin(timer.steps_seen)
-        frame: list[Any] = [function, None]
-        calls.stack.append(frame)
-        begin = time.perf_counter()
-        try:
-            return original(function, *args, **kwargs)
-        finally:
-            calls.stack.pop()
+    def watch(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(function: Any, *args: Any, **kwargs: Any) -> Any:
+            if not active[0] or calls.stack or tf.inside_function() or _fit_owned(function):
+                return original(function, *args, **kwargs)  # nested, traced inside, fit's
+            timer = steps.get(function)
             if timer is not None:
-                timer.on_train_batch_end(timer.steps_seen)
-            elif frame[1] is not None:  # its first trace ran strategy.run: a step function
-                timer = make(frame[1], global_batch(frame[1], args, kwargs))
-                steps[function] = timer
-                timer.first_call(begin)  # the first step (tracing) is warm-up
+                timer.on_train_batch_begin(timer.steps_seen)
+            frame: list[Any] = [function, None]
+            calls.stack.append(frame)
+            begin = time.perf_counter()
+            try:
+                return original(function, *args, **kwargs)
+            finally:
+                calls.stack.pop()
+                if timer is not None:
+                    timer.on_train_batch_end(timer.steps_seen)
+                elif frame[1] is not None:  # its first trace ran strategy.run: a step function
+                    timer = make(frame[1], global_batch(frame[1], args, kwargs))
+                    steps[function] = timer
+                    timer.first_call(begin)  # the first step (tracing) is warm-up
 
-    function_class.__call__ = call
+        return call
+
+    release = registry.install("script-watch", function_class, "__call__", watch)
 
     def undo() -> None:
         active[0] = False
-        function_class.__call__ = original
+        release()
 
     return undo

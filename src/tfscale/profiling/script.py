@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from tfscale.internals import dataset_batch_size
+from tfscale.interop import registry
 from tfscale.profiling.timeline import traced
 from tfscale.script_runner import run_as_main, split_cpu_when_alone
 from tfscale.strategy_hooks import watch_fits
@@ -190,13 +191,15 @@ def _one_replica() -> None:
     gpus = tf.config.list_physical_devices("GPU")
     if gpus:
         tf.config.set_visible_devices(gpus[:1], "GPU")
-    original = tf.distribute.MirroredStrategy.__init__
 
-    @functools.wraps(original)
-    def init(self: Any, devices: Any = None, cross_device_ops: Any = None) -> None:
-        original(self, devices=None, cross_device_ops=cross_device_ops)
+    def one_device(original: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(original)
+        def init(self: Any, devices: Any = None, cross_device_ops: Any = None) -> None:
+            original(self, devices=None, cross_device_ops=cross_device_ops)
 
-    tf.distribute.MirroredStrategy.__init__ = init
+        return init
+
+    registry.install("script-watch", tf.distribute.MirroredStrategy, "__init__", one_device)
 
 
 def _hook_fits(make: Callable[[int | None], Any]) -> Callable[[], None]:
@@ -207,7 +210,6 @@ def _hook_fits(make: Callable[[int | None], Any]) -> Callable[[], None]:
     import tfscale.training
 
     inside = [0]
-    tfscale_fit = tfscale.training.fit
 
     def called(model: Any, arguments: dict[str, Any]) -> None:
         if not inside[0]:
@@ -216,21 +218,29 @@ def _hook_fits(make: Callable[[int | None], Any]) -> Callable[[], None]:
                 make(batch_size_of((), arguments)),
             ]
 
-    @functools.wraps(tfscale_fit)
-    def fit_tfscale(model: Any, *args: Any, **kwargs: Any) -> Any:
-        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), make(batch_size_of(args, kwargs))]
-        inside[0] += 1
-        try:
-            return tfscale_fit(model, *args, **kwargs)
-        finally:
-            inside[0] -= 1
+    def watch(tfscale_fit: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(tfscale_fit)
+        def fit_tfscale(model: Any, *args: Any, **kwargs: Any) -> Any:
+            callbacks = [*(kwargs.get("callbacks") or []), make(batch_size_of(args, kwargs))]
+            kwargs["callbacks"] = callbacks
+            inside[0] += 1
+            try:
+                return tfscale_fit(model, *args, **kwargs)
+            finally:
+                inside[0] -= 1
 
-    undo_keras = watch_fits(called)
-    tfscale.fit = tfscale.training.fit = fit_tfscale  # type: ignore[attr-defined]
+        return fit_tfscale
+
+    tfscale.fit  # noqa: B018 - loaded (tfscale's names load on first use) before it is wrapped
+    undoes = [
+        watch_fits(called),
+        registry.install("script-watch", tfscale, "fit", watch),
+        registry.install("script-watch", tfscale.training, "fit", watch),
+    ]
 
     def undo() -> None:
-        undo_keras()
-        tfscale.fit = tfscale.training.fit = tfscale_fit  # type: ignore[attr-defined]
+        for each in undoes:
+            each()
 
     return undo
 

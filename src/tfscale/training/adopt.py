@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from tfscale import internals
 from tfscale.errors import TrainingError, explain
+from tfscale.interop import registry
 from tfscale.training.randomness import draw_per_replica
 
 __all__ = [
@@ -215,7 +216,7 @@ def _strategy_for_chosen(optimizer: Any, strategy: tf.distribute.Strategy) -> No
                 internals.set_optimizer_strategy(each, strategy)
         build(var_list)
 
-    internals.override(optimizer, "build", build_in_strategy)
+    registry.replace("multi-optimizer-build", optimizer, "build", build_in_strategy)
 
 
 def _keys(optimizer: Any, variables: Sequence[Any]) -> list[Any]:

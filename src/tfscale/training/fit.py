@@ -10,11 +10,12 @@ progress bar on the chief worker only, ``dataset_fn`` inputs, and ParameterServe
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import os
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, MutableMapping, Sequence
 from typing import Any
 
 import keras
@@ -47,9 +48,9 @@ from tfscale.training.coordinator import (
 )
 from tfscale.training.data import agreed_seed, finite_length, num_workers, plan_inputs
 from tfscale.training.options import check_switch, resolve_strategy
-from tfscale.training.prepare import check_model, prepare, prepared
+from tfscale.training.prepare import check_model, prepare_model
 
-__all__ = ["AUTO_STEPS_PER_EXECUTION", "auto_steps_per_execution", "fit"]
+__all__ = ["AUTO_STEPS_PER_EXECUTION", "TfscaleFit", "auto_steps_per_execution", "fit"]
 
 
 @functools.cache
@@ -325,7 +326,6 @@ def fit(
     _check_epochs(epochs, initial_epoch)
     x, y, sample_weight = _from_data(data, x, y, sample_weight)
     check_model(model)
-    _check_input(x, steps_per_epoch)
     check_batch_size("batch_size", batch_size)
     check_batch_size("validation_batch_size", validation_batch_size)
     for name, value in (("remat", remat), ("sync_batchnorm", sync_batchnorm)):
@@ -334,13 +334,6 @@ def fit(
     check_steps("steps_per_epoch", steps_per_epoch)
     check_steps("validation_steps", validation_steps)
     check_validation_freq(validation_freq)
-    check_inputs(model, x, y, validation_split, validation_data)
-    check_validation(x, validation_data)
-    check_pipeline_batches(model, x, batch_size)
-    if isinstance(validation_data, (tuple, list)) and validation_data:
-        check_pipeline_batches(model, validation_data[0], validation_batch_size or batch_size)
-    elif validation_data is not None:
-        check_pipeline_batches(model, validation_data, None)
     strategy = resolve_strategy(model, strategy)
     parameter_server = is_parameter_server(strategy)
     if parameter_server:
@@ -366,7 +359,7 @@ def fit(
             shuffle=shuffle,
             max_to_keep=2 if config is None else config.max_to_keep,
         )
-    prepare(
+    state = prepare_model(
         model,
         strategy,
         accumulation_steps=accumulation_steps,
@@ -379,28 +372,8 @@ def fit(
         gradient_compression=gradient_compression,
     )
     resumed = None if config is None else saved_position(config.directory)
-    first_epoch = initial_epoch if resumed is None else max(initial_epoch, resumed.epoch)
     seed = agreed_seed(_data_seed(resumed), strategy)
-    inputs = plan_inputs(
-        x=x,
-        y=y,
-        sample_weight=sample_weight,
-        batch_size=batch_size,
-        shuffle=shuffle,
-        steps_per_epoch=steps_per_epoch,
-        validation_split=validation_split,
-        validation_data=validation_data,
-        validation_steps=validation_steps,
-        validation_batch_size=validation_batch_size,
-        epochs=range(first_epoch, epochs),
-        seed=seed,
-        strategy=strategy,
-        resumable=config is not None,
-        class_weight=class_weight,
-    )
     callback_list = list(callbacks or [])
-    state = prepared(model)
-    assert state is not None
     # A callback that asks for them (tfscale.ProfileCallback) reads the train function's
     # per-call fetch and step seconds.
     state.time_steps(any(getattr(c, "tfscale_wants_timings", False) for c in callback_list))
@@ -410,21 +383,125 @@ def fit(
         callback_list.insert(0, CheckpointCallback(config, strategy, data_seed=seed))
     if not is_chief(strategy):
         verbose = 0
-    if steps_per_execution is None:
-        steps_per_execution = auto_steps_per_execution(
-            model, strategy, callback_list, verbose, inputs.fit, config is not None
-        )
-    with (
-        _steps_per_execution(model, steps_per_execution),
-        _expected_end_of_data(config, inputs.unknown_length),
-    ):
+    # The model's own fit gets the call as the user made it (KerasHub's task models run their
+    # preprocessor there); tfscale's input handling happens where Keras's does, in the fit
+    # the model's reaches (modelclass.Below -> Prepared.keras_fit -> TfscaleFit.planned).
+    state.request = TfscaleFit(
+        strategy=strategy,
+        config=config,
+        resumed=resumed,
+        seed=seed,
+        epochs=epochs,
+        steps_per_execution=steps_per_execution,
+    )
+    try:
         history: keras.callbacks.History = model.fit(
+            x=x,
+            y=y,
+            batch_size=batch_size,
             epochs=epochs,
             verbose=verbose,
             callbacks=callback_list,
+            validation_split=validation_split,
+            validation_data=validation_data,
+            shuffle=shuffle,
             class_weight=class_weight,
+            sample_weight=sample_weight,
             initial_epoch=initial_epoch,
+            steps_per_epoch=steps_per_epoch,
+            validation_steps=validation_steps,
+            validation_batch_size=validation_batch_size,
             validation_freq=validation_freq,
-            **inputs.fit,
         )
+    finally:
+        state.request = None  # a model fit that never reached Keras's fit leaves none behind
     return history
+
+
+@dataclasses.dataclass
+class TfscaleFit:
+    """``tfscale.fit``'s input handling, applied to the arguments of the Keras-level ``fit``
+    it reaches (``prepare.FitRequest``): for a model that does not override ``fit`` these are
+    the user's own; for one that does (KerasHub's preprocessing ``fit``), what its ``fit``
+    hands Keras."""
+
+    strategy: tf.distribute.Strategy
+    config: CheckpointConfig | None
+    resumed: SavedPosition | None
+    seed: int
+    epochs: int
+    steps_per_execution: int | None
+
+    @contextlib.contextmanager
+    def planned(self, model: Any, arguments: MutableMapping[str, Any]) -> Iterator[None]:
+        """Checks Keras ``fit``'s data arguments and replaces them by tfscale's plan
+        (``data.plan_inputs``), in place; held while Keras's ``fit`` runs."""
+        named = {name: arguments.get(name, default) for name, default in _KERAS_FIT.items()}
+        x, y, validation_data = named["x"], named["y"], named["validation_data"]
+        batch_size, steps_per_epoch = named["batch_size"], named["steps_per_epoch"]
+        _check_input(x, steps_per_epoch)
+        check_inputs(model, x, y, named["validation_split"], validation_data)
+        check_validation(x, validation_data)
+        check_pipeline_batches(model, x, batch_size)
+        if isinstance(validation_data, (tuple, list)) and validation_data:
+            validation_batch = named["validation_batch_size"] or batch_size
+            check_pipeline_batches(model, validation_data[0], validation_batch)
+        elif validation_data is not None:
+            check_pipeline_batches(model, validation_data, None)
+        initial_epoch = named["initial_epoch"]
+        first_epoch = (
+            initial_epoch if self.resumed is None else max(initial_epoch, self.resumed.epoch)
+        )
+        inputs = plan_inputs(
+            x=x,
+            y=y,
+            sample_weight=named["sample_weight"],
+            batch_size=batch_size,
+            shuffle=named["shuffle"],
+            steps_per_epoch=steps_per_epoch,
+            validation_split=named["validation_split"],
+            validation_data=validation_data,
+            validation_steps=named["validation_steps"],
+            validation_batch_size=named["validation_batch_size"],
+            epochs=range(first_epoch, named["epochs"]),
+            seed=self.seed,
+            strategy=self.strategy,
+            resumable=self.config is not None,
+            class_weight=named["class_weight"],
+        )
+        arguments.update(inputs.fit)
+        steps_per_execution = self.steps_per_execution
+        if steps_per_execution is None:
+            steps_per_execution = auto_steps_per_execution(
+                model,
+                self.strategy,
+                list(named["callbacks"] or []),
+                named["verbose"],
+                inputs.fit,
+                self.config is not None,
+            )
+        with (
+            _steps_per_execution(model, steps_per_execution),
+            _expected_end_of_data(self.config, inputs.unknown_length),
+        ):
+            yield
+
+
+# keras.Model.fit's data arguments and their defaults, as TfscaleFit.planned reads them.
+_KERAS_FIT: dict[str, Any] = {
+    "x": None,
+    "y": None,
+    "batch_size": None,
+    "epochs": 1,
+    "verbose": "auto",
+    "callbacks": None,
+    "validation_split": 0.0,
+    "validation_data": None,
+    "shuffle": True,
+    "class_weight": None,
+    "sample_weight": None,
+    "initial_epoch": 0,
+    "steps_per_epoch": None,
+    "validation_steps": None,
+    "validation_batch_size": None,
+}

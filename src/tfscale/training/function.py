@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfscale import internals
@@ -71,6 +72,15 @@ def _leading(value: Any) -> tf.Tensor:
     if isinstance(value, tf.RaggedTensor):
         return value.nrows()
     return tf.shape(value)[0]
+
+
+def _as_tensor(value: Any) -> Any:
+    """A step's log value as a tensor: Keras takes Python and NumPy numbers in a step's logs
+    (its trainer_test's ``CustomTrainTestStepModel`` adds ``logs["my_custom_metric"] = 10.0``),
+    and several steps per call carry the logs through a loop, which takes tensors only."""
+    if isinstance(value, (bool, int, float, complex, np.generic, np.ndarray)):
+        return tf.convert_to_tensor(value)
+    return value
 
 
 def example_count(data: Any) -> tf.Tensor:
@@ -202,7 +212,9 @@ class StepFunction:
             outputs = self.strategy.run(self._replica_step, args=(data,))
         if self._returns_metrics(outputs):
             return {}  # the logs are the metrics, read once at the end of the call
-        return internals.reduce_per_replica(outputs, self.strategy)
+        return tf.nest.map_structure(
+            _as_tensor, internals.reduce_per_replica(outputs, self.strategy)
+        )
 
     def _returns_metrics(self, outputs: Any) -> bool:
         if self._metric_keys is None:

@@ -14,6 +14,7 @@ from typing import Any
 import tensorflow as tf
 
 from tfscale import internals
+from tfscale.interop import registry
 
 __all__ = ["layer_calls"]
 
@@ -43,10 +44,10 @@ def layer_calls(model: Any, *, remat: bool) -> Iterator[None]:
     if remat:
         for layer in internals.flatten_layers(model, include_self=False):
             if not internals.flatten_layers(layer, include_self=False) and layer.weights:
-                internals.override(layer, "call", _recomputed(layer.call))
+                registry.replace("remat-call", layer, "call", _recomputed(layer.call))
                 replaced.append(layer)
     try:
         yield
     finally:
         for layer in replaced:
-            internals.restore(layer, "call")
+            registry.restore("remat-call", layer, "call")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -38,6 +39,7 @@ import tensorflow as tf
 
 from tfscale import internals
 from tfscale.errors import TrainingError, explain
+from tfscale.interop import registry
 from tfscale.training import conventions
 from tfscale.training.adopt import adopt, keras_accumulation_steps
 from tfscale.training.allreduce import check_compression
@@ -188,7 +190,7 @@ def _build_outside_steps(model: Any, strategy: tf.distribute.Strategy) -> None:
         context.merge_call(eager)
         return None
 
-    internals.override(model, "build", outside_steps)
+    registry.replace("loop-model-build", model, "build", outside_steps)
 
 
 def prepared_sources(sources: Any) -> bool:
@@ -339,11 +341,21 @@ def register_loop(model: Any, update: DistributedUpdate, loss: Declared = "auto"
     """
     state = LoopState(model, update, loss)
     update.loop_step = state.step_for
-    internals.override(update.optimizer, "_tfscale_loop", state)
+    registry.replace("model-state", update.optimizer, "_tfscale_loop", state)
     with _LOOPS_LOCK:
         # A second preparation of the same optimizer replaces the first's state.
         _LOOPS[:] = [ref for ref in _LOOPS if getattr(ref(), "update", update) is not update]
         _LOOPS.append(weakref.ref(state))
-    internals.watch_gradient_targets(_on_gradient)
-    internals.watch_loss_reductions(conventions.on_reduction)
+    # The watches on the tape and the loss reductions are held while this loop lives: once
+    # no prepared loop is left, TensorFlow's and Keras's own functions are back in place.
+    releases = [
+        internals.watch_gradient_targets(_on_gradient),
+        internals.watch_loss_reductions(conventions.on_reduction),
+    ]
+    weakref.finalize(state, _release_all, releases)
     return state
+
+
+def _release_all(releases: list[Callable[[], None]]) -> None:
+    for release in releases:
+        release()

@@ -51,6 +51,7 @@ import tensorflow as tf
 
 from tfscale import internals
 from tfscale.errors import TrainingError, explain
+from tfscale.interop import registry
 from tfscale.training import xla
 from tfscale.training.adopt import wrapped_optimizers
 from tfscale.training.allreduce import all_reduce_packed
@@ -218,10 +219,10 @@ class DistributedUpdate:
             )
             self._micro_batches = self._local_counter("micro_batches", tf.int64)
             self._count = self._sum_variable(tf.zeros((), tf.float32), "count_accum")
-        internals.override(optimizer, "apply", self.apply)
+        registry.replace("optimizer-apply", optimizer, "apply", self.apply)
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             self._original_scale_loss = type(optimizer).scale_loss.__get__(optimizer)
-            internals.override(optimizer, "scale_loss", self.scale_loss)
+            registry.replace("optimizer-apply", optimizer, "scale_loss", self.scale_loss)
         self._own_all_reduce_off()
 
     # -- variables -----------------------------------------------------------------------
@@ -644,5 +645,5 @@ def distributed_update(optimizer: Any, strategy: tf.distribute.Strategy) -> Dist
         else:
             return existing
     update = DistributedUpdate(optimizer, strategy)
-    internals.override(optimizer, "_tfscale_update", update)
+    registry.replace("model-state", optimizer, "_tfscale_update", update)
     return update

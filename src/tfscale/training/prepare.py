@@ -24,17 +24,20 @@ when they do not change.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
+from collections.abc import Callable, MutableMapping
 from dataclasses import replace
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 import keras
 import tensorflow as tf
 
 from tfscale import internals
 from tfscale.errors import TfscaleError, TrainingError, explain
+from tfscale.interop import registry
 from tfscale.strategy_hooks import call_by_name
 from tfscale.training.adopt import adopt, has_call, keras_accumulation_steps, model_optimizers
 from tfscale.training.allreduce import check_compression
@@ -43,11 +46,30 @@ from tfscale.training.checks import check_batched, check_global_clipnorm, python
 from tfscale.training.data import COPIED_FIT_ARGUMENTS, FitInputs, copied_batches
 from tfscale.training.function import StepFunction, example_count
 from tfscale.training.loop import register_loop
+from tfscale.training.modelclass import give_prepared_class, state_of
 from tfscale.training.optimizer import DistributedUpdate, distributed_update
 from tfscale.training.options import Options, check_switch, resolve_strategy
 from tfscale.training.precision import Precision, apply_policy, resolve_precision
 
-__all__ = ["Options", "Prepared", "prepare", "prepared", "resolve_strategy"]
+__all__ = [
+    "FitRequest",
+    "Options",
+    "Prepared",
+    "prepare",
+    "prepare_model",
+    "prepared",
+    "resolve_strategy",
+]
+
+
+class FitRequest(Protocol):
+    """What ``tfscale.fit`` asks of the Keras-level fit it reaches (``fit.TfscaleFit``)."""
+
+    def planned(
+        self, model: Any, arguments: MutableMapping[str, Any]
+    ) -> contextlib.AbstractContextManager[None]:
+        """Checks and replaces Keras ``fit``'s arguments (by name) in place; the context is
+        held while Keras's ``fit`` runs."""
 
 
 def check_model(model: Any) -> None:
@@ -170,12 +192,10 @@ class Prepared:
         # The running fit's epoch iterators and the iterators they make, held so that they
         # are destroyed off the caller's thread (data.FitInputs); None outside fit.
         self._fit_input: FitInputs | None = None
-        internals.override(model, "make_train_function", self.make_train_function)
-        internals.override(model, "make_test_function", self.make_test_function)
-        internals.override(model, "_maybe_symbolic_build", self.symbolic_build)
-        internals.override(model, "fit", self.fit)
-        internals.override(model, "compute_loss", self.compute_loss)
-        internals.override(model, "get_metrics_result", self.get_metrics_result)
+        # What tfscale.fit asks of the next Keras-level fit of this model (the model's own
+        # fit runs in between: KerasHub's preprocesses there); taken by that fit.
+        self.request: FitRequest | None = None
+        give_prepared_class(model, self)
 
     # -- state ---------------------------------------------------------------------------
     def updates(self) -> list[DistributedUpdate]:
@@ -208,21 +228,24 @@ class Prepared:
         return distributed_update(self.model.optimizer, self.strategy)
 
     # -- what Keras calls ----------------------------------------------------------------
-    def make_train_function(self, force: bool = False) -> Any:
-        """Keras's ``make_train_function``, building tfscale's :class:`StepFunction`."""
-        return self._function("train", force)
+    def keras_fit(
+        self, own: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Keras's ``fit`` (``own``), as the model's own ``fit`` calls it, with tfscale's input
+        handling: ``tfscale.fit``'s request, if one is pending (checks, per-epoch order,
+        sharding, steps per call: ``fit.FitRequest``), the training and validation batches of
+        generators and PyDatasets copied (see :func:`tfscale.training.data.copied_batches`),
+        and a non-finite update stopping it with ``NonFiniteLossError`` as under
+        ``tfscale.fit`` (``callbacks.guarded``; Keras's ``TerminateOnNaN`` among the
+        callbacks stops quietly instead)."""
+        request, self.request = self.request, None
 
-    def fit(self, *args: Any, **kwargs: Any) -> Any:
-        """Keras's ``fit`` of the model (its class's, whatever patches it), with the
-        training and validation batches of generators and PyDatasets copied (see
-        :func:`tfscale.training.data.copied_batches`), and a non-finite update stopping it
-        with ``NonFiniteLossError`` as under ``tfscale.fit`` (``callbacks.guarded``; Keras's
-        ``TerminateOnNaN`` among the callbacks stops quietly instead)."""
-
-        def copy(arguments: dict[str, Any]) -> None:
+        def change(arguments: dict[str, Any]) -> None:
             check_batched(
                 self.model, x=arguments.get("x"), validation_data=arguments.get("validation_data")
             )
+            if request is not None and arguments:
+                around.enter_context(request.planned(self.model, arguments))
             for name in COPIED_FIT_ARGUMENTS:
                 if name in arguments:
                     arguments[name] = copied_batches(arguments[name], self.strategy)
@@ -234,8 +257,8 @@ class Prepared:
             self.epoch_iterator = None  # the first symbolic build of this fit sets it
             outer, self._fit_input = self._fit_input, FitInputs()
             try:
-                with halt_released(update):
-                    return call_by_name(type(self.model).fit, self.model, args, kwargs, copy)
+                with halt_released(update), contextlib.ExitStack() as around:
+                    return call_by_name(own, self.model, args, kwargs, change)
             except TfscaleError as error:
                 _drop_loop_locals(error)
                 raise
@@ -244,8 +267,10 @@ class Prepared:
                 if held is not None:
                     held.release()
 
-    def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
-        """Keras's ``compute_loss`` of the model (its class's), 0 on a replica with no examples.
+    def compute_loss(
+        self, own: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """The model's own ``compute_loss`` (``own``), 0 on a replica with no examples.
 
         A short last batch leaves replicas without examples (2 examples on 4 replicas: 1, 1,
         0, 0). A loss that averages by itself (``tf.reduce_mean`` in a custom loss) is NaN
@@ -254,14 +279,14 @@ class Prepared:
         it, and tfscale's non-finite guard would stop training over an update that was
         right (that replica's gradient weighs 0: ``optimizer._weighted``).
         """
-        loss = type(self.model).compute_loss(self.model, *args, **kwargs)
+        loss = own(*args, **kwargs)
         x = args[0] if args else kwargs.get("x")
         if loss is None or x is None:
             return loss
         return tf.where(example_count((x,)) > 0, loss, tf.zeros_like(loss))
 
-    def get_metrics_result(self) -> Any:
-        """Keras's ``get_metrics_result`` of the model (its class's), each value a tensor.
+    def get_metrics_result(self, own: Callable[[], Any]) -> Any:
+        """The model's own ``get_metrics_result`` (``own``), each value a tensor.
 
         A metric whose ``result()`` is one of its own variables (keras-io's ``TruePositives``
         returns ``self.count``) gives Keras's epoch-end logs that variable; under a strategy
@@ -269,14 +294,12 @@ class Prepared:
         ``SyncOnReadVariable``), so History kept the variable. Read here, in cross-replica
         context, it is the sum over replicas, as one device's count.
         """
-        results = type(self.model).get_metrics_result(self.model)
+        results = own()
         return tf.nest.map_structure(tf.convert_to_tensor, results)
 
-    def make_test_function(self, force: bool = False) -> Any:
-        """Keras's ``make_test_function``, building tfscale's :class:`StepFunction`."""
-        return self._function("test", force)
-
-    def _function(self, kind: str, force: bool) -> Any:
+    def make_function(self, kind: str, force: bool) -> Any:
+        """Keras's ``make_train_function`` / ``make_test_function``: tfscale's
+        :class:`StepFunction` for ``kind`` ("train", "test"), made anew where stale."""
         name = f"{kind}_function"
         current = getattr(self.model, name, None)
         stale = (
@@ -288,7 +311,7 @@ class Prepared:
             self.ready()
             current = StepFunction(self.model, kind, self.options)  # type: ignore[arg-type]
             current.record_timings = self.record_timings and kind == "train"
-            setattr(self.model, name, current)
+            registry.replace("compiled-functions", self.model, name, current)
         return current
 
     def symbolic_build(self, iterator: Any = None, data_batch: Any = None) -> None:
@@ -356,7 +379,7 @@ class Prepared:
 
 def prepared(model: Any) -> Prepared | None:
     """The model's :class:`Prepared` state, or None if it was never prepared."""
-    state = model.__dict__.get("_tfscale")
+    state = state_of(model)
     return state if isinstance(state, Prepared) else None
 
 
@@ -409,6 +432,40 @@ def prepare(
         TrainingError: The model cannot be trained this way (the message says why and how);
             also a ``ValueError``, as Keras's argument errors.
     """
+    state = prepare_model(
+        model,
+        strategy,
+        accumulation_steps=accumulation_steps,
+        global_clipnorm=global_clipnorm,
+        mixed_precision=mixed_precision,
+        remat=remat,
+        jit_compile=jit_compile,
+        sync_batchnorm=sync_batchnorm,
+        bucket_bytes=bucket_bytes,
+        gradient_compression=gradient_compression,
+        clipnorm=clipnorm,
+    )
+    for update in state.updates():
+        register_loop(model, update)  # the same update in a custom loop (training/loop.py)
+    return model
+
+
+def prepare_model(
+    model: Any,
+    strategy: tf.distribute.Strategy | None,
+    *,
+    accumulation_steps: int = 1,
+    global_clipnorm: float | None = None,
+    mixed_precision: str | None = None,
+    remat: bool = False,
+    jit_compile: bool | None = None,
+    sync_batchnorm: bool = False,
+    bucket_bytes: int | None = None,
+    gradient_compression: str | None = None,
+    clipnorm: None = None,
+) -> Prepared:
+    """:func:`prepare` without the custom-loop side: ``tfscale.fit`` trains through Keras's
+    ``fit`` only, so it holds no watch on the user's tapes (``training/loop.py``)."""
     accumulation_steps, bucket_bytes = python_int(accumulation_steps), python_int(bucket_bytes)
     global_clipnorm = check_global_clipnorm(global_clipnorm, clipnorm)
     check_model(model)
@@ -439,8 +496,8 @@ def prepare(
     state = prepared(model)
     if state is None or state.strategy is not strategy:
         state = Prepared(model, strategy, options)
-        internals.override(model, "_tfscale", state)
-        model.train_function = model.test_function = model.predict_function = None
+        for name in ("train_function", "test_function", "predict_function"):
+            registry.replace("compiled-functions", model, name, None)
     elif state.options != options:
         state.options = replace(options)
     adopt(model, strategy)
@@ -450,9 +507,7 @@ def prepare(
             if isinstance(layer, keras.layers.BatchNormalization):
                 layer.synchronized = True
     state.ready()
-    for update in state.updates():
-        register_loop(model, update)  # the same update in a custom loop (training/loop.py)
-    return model
+    return state
 
 
 def _apply_precision(model: Any, strategy: tf.distribute.Strategy, precision: Precision) -> None:

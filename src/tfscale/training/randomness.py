@@ -26,6 +26,7 @@ from typing import Any
 import tensorflow as tf
 
 from tfscale import internals
+from tfscale.interop import registry
 
 __all__ = ["draw_per_replica"]
 
@@ -40,7 +41,7 @@ def draw_per_replica(model: Any) -> int:
     for generator in internals.seed_generators(model):
         if getattr(generator.__dict__.get("next"), "folds_replica", False):
             continue
-        internals.override(generator, "next", _folded(generator.next))
+        registry.replace("seed-generator", generator, "next", _folded(generator.next))
         changed += 1
     return changed
 
