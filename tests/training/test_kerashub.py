@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import keras
@@ -36,7 +33,7 @@ pytest.importorskip(
     reason="KerasHub is not installed: `make venv` installs it (tests/README.md)",
 )
 
-from .helpers import strategy_for  # noqa: E402
+from .helpers import launch, strategy_for  # noqa: E402
 from .parity.kerashub_cases import CASES, generated  # noqa: E402
 from .parity.registry import Case, Run, param, run_case, run_reference  # noqa: E402
 
@@ -60,7 +57,6 @@ def test_prepare_then_model_fit_matches_one_device_model_fit(case: Case) -> None
 
 
 # -- across 2 worker processes -------------------------------------------------------------------
-_ROOT = Path(__file__).resolve().parents[2]
 _JOB = Path(__file__).parent / "data" / "kerashub_job.py"
 # Every model by the one line tfscale.fit, two by prepare + model.fit too; SGD and Adam.
 LAUNCHED = (
@@ -76,19 +72,7 @@ LAUNCHED = (
 
 
 def _launched(folder: Path, runs: tuple[str, ...]) -> list[dict[str, dict[str, object]]]:
-    env = dict(os.environ, PYTHONPATH=str(_ROOT / "src"))
-    for name in ("TF_CONFIG", "TFSCALE_VIRTUAL_DEVICES"):
-        env.pop(name, None)
-    command = [sys.executable, "-m", "tfscale.cli.main", "launch", "-n", "2", "--timeout", "420"]
-    done = subprocess.run(
-        [*command, str(_JOB), str(folder), ",".join(runs)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=480,
-        start_new_session=True,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    launch(_JOB, [str(folder), ",".join(runs)], timeout=420)
     return [json.loads((folder / f"worker{i}.json").read_text()) for i in range(2)]
 
 

@@ -27,11 +27,9 @@ import keras
 import keras_hub
 import numpy as np
 
-from tfscale.testing import relative_difference
-
 from .common import SEED, aligned, dense_gradients
 from .registry import Case, Check, Run, same_history, same_iterations
-from .sparse_cases import variable_differences
+from .sparse_cases import same_weights_per_variable
 
 WEIGHTS_RTOL = 1e-5
 VOCAB, LENGTH, HIDDEN, EXAMPLES, BATCH, EPOCHS = 96, 8, 16, 32, 8, 2
@@ -113,16 +111,18 @@ def _compiled(model: Any, optimizer: str, reference: bool, **compile_args: Any) 
     return model
 
 
-def bert_backbone() -> Any:
-    """One layer, 2 heads, hidden 16."""
+# One layer, 2 heads, hidden 16: what every backbone here shares.
+TINY: dict[str, Any] = {"num_layers": 1, "hidden_dim": HIDDEN, "intermediate_dim": 2 * HIDDEN}
+
+
+def bert_backbone(vocabulary_size: int = VOCAB) -> Any:
+    """A tiny ``BertBackbone``."""
     return keras_hub.models.BertBackbone(
-        vocabulary_size=VOCAB,
-        num_layers=1,
+        vocabulary_size=vocabulary_size,
         num_heads=2,
-        hidden_dim=HIDDEN,
-        intermediate_dim=2 * HIDDEN,
         dropout=0.0,
         max_sequence_length=LENGTH,
+        **TINY,
     )
 
 
@@ -143,17 +143,8 @@ def bert_with_preprocessor(optimizer: str, reference: bool = False) -> Any:
     preprocessor = keras_hub.models.BertTextClassifierPreprocessor(
         tokenizer, sequence_length=LENGTH
     )
-    backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=len(VOCABULARY),
-        num_layers=1,
-        num_heads=2,
-        hidden_dim=HIDDEN,
-        intermediate_dim=2 * HIDDEN,
-        dropout=0.0,
-        max_sequence_length=LENGTH,
-    )
     model = keras_hub.models.BertTextClassifier(
-        backbone, num_classes=CLASSES, preprocessor=preprocessor, dropout=0.0
+        bert_backbone(len(VOCABULARY)), num_classes=CLASSES, preprocessor=preprocessor, dropout=0.0
     )
     return _compiled(model, optimizer, reference)
 
@@ -163,13 +154,7 @@ def gpt2(optimizer: str, reference: bool = False, lora: bool = False) -> Any:
     and value projections fine-tuned by LoRA of rank ``LORA_RANK`` (the rest frozen)."""
     keras.utils.set_random_seed(SEED)
     backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=VOCAB,
-        num_layers=1,
-        num_heads=2,
-        hidden_dim=HIDDEN,
-        intermediate_dim=2 * HIDDEN,
-        dropout=0.0,
-        max_sequence_length=2 * LENGTH,
+        vocabulary_size=VOCAB, num_heads=2, dropout=0.0, max_sequence_length=2 * LENGTH, **TINY
     )
     if lora:
         backbone.enable_lora(LORA_RANK)
@@ -182,12 +167,7 @@ def llama3(optimizer: str, reference: bool = False) -> Any:
     """``Llama3CausalLM`` on token ids: 2 query heads sharing 1 key/value head."""
     keras.utils.set_random_seed(SEED)
     backbone = keras_hub.models.Llama3Backbone(
-        vocabulary_size=VOCAB,
-        num_layers=1,
-        num_query_heads=2,
-        hidden_dim=HIDDEN,
-        intermediate_dim=2 * HIDDEN,
-        num_key_value_heads=1,
+        vocabulary_size=VOCAB, num_query_heads=2, num_key_value_heads=1, **TINY
     )
     model = keras_hub.models.Llama3CausalLM(backbone, preprocessor=None)
     return _compiled(model, optimizer, reference, sampler="greedy")
@@ -209,20 +189,6 @@ def vit_classifier(optimizer: str, reference: bool = False) -> Any:
 
 
 # -- checks ----------------------------------------------------------------------------------------
-def same_weights_per_variable(rtol: float = WEIGHTS_RTOL) -> Check:
-    """Every weight within ``rtol`` of the reference's, each on its own, and the model's
-    weights moved."""
-
-    def check(expected: Run, got: Run) -> None:
-        differences = variable_differences(got.model, expected.model)
-        worst = max(differences, key=differences.__getitem__)
-        assert differences[worst] <= rtol, f"{worst} differs by {differences[worst]:.3g}"
-        moved = relative_difference(got.model.get_weights(), got.initial_weights)
-        assert moved > 0.0, "the weights did not change: nothing was trained"
-
-    return check
-
-
 def lora_only(expected: Run, got: Run) -> None:
     """LoRA trained what it leaves trainable and nothing else: every ``lora_kernel_b`` (zeros
     at the start) moved, every frozen weight (the kernels LoRA adapts, the rest of the
