@@ -15,10 +15,21 @@ EXTRAS := $(EXTRA),dev,ray
 # PYTHONDONTWRITEBYTECODE is set (each would compile TensorFlow's modules anew).
 UV_INSTALL := uv pip install --quiet --compile-bytecode
 
+# KerasHub for its task models' tests (tests/training/test_kerashub.py), without its
+# dependencies: its tensorflow-text requires the full `tensorflow` wheel, which would land
+# beside tensorflow-cpu (two TensorFlow wheels in one environment). KerasHub's other
+# dependencies are installed by name. KerasHub 0.32 needs Python >= 3.11 (and Keras >= 3.15):
+# on Python 3.10 the step is left out and those tests skip.
+KERAS_HUB := keras-hub==0.32.0 tensorflow-text==2.21.1
+KERAS_HUB_DEPS := "kagglehub!=1.0.1" kagglesdk==0.1.28 sentencepiece tokenizers regex
+
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet uv
 	$(BIN)/$(UV_INSTALL) --python $(BIN)/python -e ".[$(EXTRAS)]"
+	if $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
+		$(BIN)/$(UV_INSTALL) --python $(BIN)/python --no-deps $(KERAS_HUB) && \
+		$(BIN)/$(UV_INSTALL) --python $(BIN)/python $(KERAS_HUB_DEPS); fi
 	touch $@
 
 venv: $(BIN)/.installed

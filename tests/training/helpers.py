@@ -10,6 +10,7 @@ tests instead.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import keras
@@ -176,3 +177,27 @@ def run_workers(code: str, args: list[str], workers: int = 2, timeout: float = 3
     ]
     assert not failed, "\n---\n".join(failed)
     return [out for out, _ in outputs]
+
+
+def launch(job: Path, args: list[str], timeout: float) -> Any:
+    """Runs ``tfscale launch -n 2 JOB ARGS`` (2 local workers, this checkout's ``src``) with
+    the launcher's own ``--timeout`` and a little more for the command; fails the test with
+    the end of its stderr where it fails. Returns the completed process (text output)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"))
+    for name in ("TF_CONFIG", "TFSCALE_VIRTUAL_DEVICES"):
+        env.pop(name, None)
+    command = [sys.executable, "-m", "tfscale.cli.main", "launch", "-n", "2"]
+    done = subprocess.run(
+        [*command, "--timeout", str(int(timeout)), str(job), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout + 60,
+        start_new_session=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done

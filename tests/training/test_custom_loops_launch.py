@@ -12,9 +12,6 @@ in a child process: unchanged it fails on its first step, with the line it train
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +19,7 @@ import pytest
 
 from tfscale.testing import relative_difference
 
-from .helpers import DATA, strategy_for
+from .helpers import DATA, launch, strategy_for
 from .loops import (
     convention_loop,
     guide_loop,
@@ -34,7 +31,6 @@ from .loops import (
 
 pytestmark = [pytest.mark.tf, pytest.mark.multiprocess, pytest.mark.slow]
 
-_ROOT = Path(__file__).resolve().parents[2]
 _JOB = Path(__file__).parent / "data" / "custom_loops_job.py"
 
 
@@ -44,19 +40,7 @@ def _weights(path: Path) -> list[np.ndarray]:
 
 
 def test_custom_loops_under_tfscale_launch_give_one_device_weights(tmp_path: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=str(_ROOT / "src"))
-    for name in ("TF_CONFIG", "TFSCALE_VIRTUAL_DEVICES"):
-        env.pop(name, None)
-    command = [sys.executable, "-m", "tfscale.cli.main", "launch", "-n", "2", "--timeout", "240"]
-    done = subprocess.run(
-        [*command, str(_JOB), str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        start_new_session=True,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = launch(_JOB, [str(tmp_path)], timeout=240)
     assert "[worker 1] worker 1: custom loops done" in done.stdout
     x, y = DATA
     ix, iy = images(64)

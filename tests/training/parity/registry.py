@@ -178,9 +178,16 @@ def reference_initial_weights(case: Case) -> list[np.ndarray]:
 
 
 def run_tfscale(
-    case: Case, strategy: tf.distribute.Strategy, initial: list[np.ndarray] | None
+    case: Case,
+    strategy: tf.distribute.Strategy,
+    initial: list[np.ndarray] | None,
+    prepared: bool = False,
 ) -> Run:
-    """``tfscale.fit`` of the case under ``strategy``, from ``initial`` weights if given."""
+    """``tfscale.fit`` of the case under ``strategy``, from ``initial`` weights if given.
+
+    With ``prepared``, the other one line instead: ``tfscale.prepare(model, strategy)`` (with
+    the case's options), then the model's own ``model.fit``.
+    """
     model = case.build()
     if initial:
         model.set_weights(initial)
@@ -188,6 +195,8 @@ def run_tfscale(
     arguments = _arguments(case.fit)
 
     def train(model: Any, **kwargs: Any) -> Any:
+        if prepared:
+            return tfscale.prepare(model, strategy, **case.options).fit(**kwargs)
         return tfscale.fit(model, strategy=strategy, **kwargs, **case.options)
 
     history = _train(case, model, train, arguments)
@@ -202,14 +211,25 @@ def param(case: Case) -> Any:
     return pytest.param(case, id=case.name, marks=marks)
 
 
-def run_case(case: Case, strategy: tf.distribute.Strategy) -> tuple[Run, Run]:
+def run_case(
+    case: Case,
+    strategy: tf.distribute.Strategy,
+    prepared: bool = False,
+    expected: Run | None = None,
+) -> tuple[Run, Run]:
     """Trains the case on one device and under ``strategy`` and applies its checks.
+
+    Args:
+        case: The case.
+        strategy: tfscale's side's strategy.
+        prepared: tfscale's side is ``tfscale.prepare`` + ``model.fit`` (else ``tfscale.fit``).
+        expected: The case's reference run, if already trained (:func:`run_reference`).
 
     Returns:
         The reference run and tfscale's.
     """
-    expected = run_reference(case)
-    got = run_tfscale(case, strategy, expected.initial_weights)
+    expected = expected or run_reference(case)
+    got = run_tfscale(case, strategy, expected.initial_weights, prepared)
     for check in case.checks if case.checks is not None else exact_checks(case):
         check(expected, got)
     return expected, got

@@ -1,0 +1,115 @@
+"""KerasHub 0.32 task models (``parity/kerashub_cases.py``: BERT and ViT classifiers, GPT-2 and
+Llama 3 causal LMs, a BERT classifier with its preprocessor fed raw strings, GPT-2 fine-tuned
+with LoRA then asked to ``generate``; SGD and Adam) trained over 2 logical CPUs by both one
+lines, ``tfscale.fit(model, x, y, ...)`` and ``tfscale.prepare(model)`` + ``model.fit(x, y,
+...)``, against one device's ``model.fit`` of a fresh identical model (SGD as is, Adam with
+dense embedding gradients: docs/training.md, "Sparse gradients"). KerasHub's ``fit`` is its
+own (``PipelineModel.fit`` builds the dataset and maps the preprocessor), so these tests hold
+tfscale to what that ``fit`` gets on one device.
+
+KerasHub 0.32 needs Keras >= 3.15 and Python >= 3.11 and is installed without its
+tensorflow-text's ``tensorflow`` dependency (the Makefile's ``venv``); where it is missing
+(``make test-lowest``'s Keras 3.10) these tests are skipped, saying why.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.tf, pytest.mark.xdist_group("kerashub")]
+
+if tuple(int(part) for part in keras.__version__.split(".")[:2]) < (3, 15):
+    pytest.skip(
+        f"KerasHub 0.32 needs Keras >= 3.15, not {keras.__version__}", allow_module_level=True
+    )
+pytest.importorskip(
+    "keras_hub",
+    reason="KerasHub is not installed: `make venv` installs it (tests/README.md)",
+)
+
+from .helpers import launch, strategy_for  # noqa: E402
+from .parity.kerashub_cases import CASES, generated  # noqa: E402
+from .parity.registry import Case, Run, param, run_case, run_reference  # noqa: E402
+
+_BY_NAME = {case.name: case for case in CASES}
+
+
+@functools.cache
+def _reference(name: str) -> Run:
+    """One device's run of a case, trained once for both one lines."""
+    return run_reference(_BY_NAME[name])
+
+
+@pytest.mark.parametrize("case", [param(case) for case in CASES])
+def test_tfscale_fit_matches_one_device_model_fit(case: Case) -> None:
+    run_case(case, strategy_for(2), expected=_reference(case.name))
+
+
+@pytest.mark.parametrize("case", [param(case) for case in CASES])
+def test_prepare_then_model_fit_matches_one_device_model_fit(case: Case) -> None:
+    run_case(case, strategy_for(2), prepared=True, expected=_reference(case.name))
+
+
+# -- across 2 worker processes -------------------------------------------------------------------
+_JOB = Path(__file__).parent / "data" / "kerashub_job.py"
+# Every model by the one line tfscale.fit, two by prepare + model.fit too; SGD and Adam.
+LAUNCHED = (
+    "bert_classifier_sgd:fit",
+    "gpt2_causal_lm_adam:fit",
+    "llama3_causal_lm_adam:fit",
+    "vit_classifier_sgd:fit",
+    "bert_preprocessor_strings_adam:fit",
+    "gpt2_lora_generate_adam:fit",
+    "gpt2_causal_lm_adam:prepare",
+    "bert_preprocessor_strings_adam:prepare",
+)
+
+
+def _launched(folder: Path, runs: tuple[str, ...]) -> list[dict[str, dict[str, object]]]:
+    launch(_JOB, [str(folder), ",".join(runs)], timeout=420)
+    return [json.loads((folder / f"worker{i}.json").read_text()) for i in range(2)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_models_under_tfscale_launch_give_one_device_weights(tmp_path: Path) -> None:
+    """``tfscale launch -n 2`` (MultiWorkerMirroredStrategy, 2 processes on 127.0.0.1): both
+    workers end with the same weights, which pass the case's checks against one device's
+    ``model.fit``; the LoRA model's ``generate`` in each worker gives the reference's tokens."""
+    reports = _launched(tmp_path, LAUNCHED)
+    failed = {
+        f"{run} (worker {i})": r[run]["error"]
+        for i, r in enumerate(reports)
+        for run in r
+        if "error" in r[run]
+    }
+    assert not failed, failed
+    for run in LAUNCHED:
+        name, mode = run.split(":")
+        case, expected = _BY_NAME[name], _reference(name)
+        with (
+            np.load(tmp_path / f"{name}-{mode}-0.npz") as first,
+            np.load(tmp_path / f"{name}-{mode}-1.npz") as second,
+        ):
+            weights = [first[f"arr_{i}"] for i in range(len(first.files))]
+            for i, array in enumerate(weights):
+                np.testing.assert_array_equal(second[f"arr_{i}"], array, err_msg=run)
+        assert reports[0][run] == reports[1][run], run
+        # The worker's trained weights in a fresh build of the case's model, checked as the
+        # in-process runs are (weights, History, updates, and generate where the case has it).
+        model = case.build()
+        model.set_weights(weights)
+        model.optimizer.iterations.assign(reports[0][run]["iterations"])
+        history = keras.callbacks.History()
+        history.history, history.epoch = reports[0][run]["history"], reports[0][run]["epoch"]
+        got = Run(model, history, {}, expected.initial_weights)
+        for check in case.checks or ():
+            check(expected, got)
+        if "generated" in reports[0][run]:
+            np.testing.assert_array_equal(reports[0][run]["generated"], generated(expected.model))
