@@ -225,7 +225,6 @@ def test_tensorflow_trainer_class_is_the_base_of_keras_model() -> None:
 
 
 def test_uses_default_step() -> None:
-
     class Custom(keras.Model):
         def train_step(self, data: Any) -> Any:
             return super().train_step(data)
