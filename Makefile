@@ -7,7 +7,7 @@ EXTRA := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo gpu || echo 
 # ray: the TaskPool's Ray backend is tested, not skipped (tests/tasks/test_taskpool_ray.py).
 EXTRAS := $(EXTRA),dev,ray
 
-.PHONY: demo test test-lowest check quick lint unit venv clean bench
+.PHONY: demo test test-lowest test-next check quick lint unit venv clean bench
 
 # uv installs what pip would (the same resolution from PyPI), downloading and unpacking in
 # parallel: 22 s from an empty cache against 38-58 s for pip, a fresh clone's first half minute.
@@ -111,6 +111,36 @@ test-lowest:
 		"import tensorflow as tf, keras, tfscale; print('lowest:', tf.__version__, keras.__version__, tfscale.__file__)"
 	PYTHONPATH=$(CURDIR)/src $(LOWEST_VENV)/bin/python -m pytest -q -n 2 --dist loadgroup \
 		-p no:cacheprovider $(LOWEST_TESTS)
+
+# The next Keras: TensorFlow's newest release with Keras's newest pre-release, pinned so that a
+# run can be repeated (tests/test_versions.py holds it at or past pyproject.toml's cap on keras,
+# and TensorFlow at the newest minor it allows). The pre-release is another distribution,
+# keras-nightly, that writes the same `keras` module: the release that tfscale's and
+# TensorFlow's requirement on `keras` would pull beside it is excluded from the resolution, and
+# the check line below fails where a `keras` release is in the virtualenv all the same (an older
+# one of this tier: remove $(NEXT_VENV)). What runs there is what a Keras upgrade breaks first:
+# the private names and per-instance overrides (test_internals) and the whole parity and
+# equivalence suites. Like test-lowest, the virtualenv lives outside the clone and the tests
+# import this clone's src first.
+NEXT_VENV ?= $(HOME)/.cache/tfscale/venv-next
+NEXT := tensorflow-cpu==2.21.0 keras-nightly==3.16.0.dev2026102704
+NEXT_TESTS := tests/test_internals.py tests/training/test_parity.py \
+	tests/training/test_parity_examples.py tests/training/test_equivalence.py
+
+test-next:
+	test -x $(NEXT_VENV)/bin/python || $(PYTHON) -m venv $(NEXT_VENV)
+	$(NEXT_VENV)/bin/python -m pip install --quiet uv
+	echo keras > $(NEXT_VENV)/excluded.txt
+	$(NEXT_VENV)/bin/$(UV_INSTALL) --python $(NEXT_VENV)/bin/python \
+		--excludes $(NEXT_VENV)/excluded.txt --reinstall-package tfscale ".[cpu,dev]" $(NEXT)
+	PYTHONPATH=$(CURDIR)/src $(NEXT_VENV)/bin/python -c \
+		"import tensorflow as tf, keras, tfscale; from importlib import metadata as m; \
+		dists = {d.metadata['Name'].lower() for d in m.distributions()}; \
+		assert 'keras' not in dists, 'a keras release beside keras-nightly: rm -r $(NEXT_VENV)'; \
+		assert keras.__version__ == m.version('keras-nightly'), keras.__version__; \
+		print('next:', tf.__version__, keras.__version__, tfscale.__file__)"
+	PYTHONPATH=$(CURDIR)/src $(NEXT_VENV)/bin/python -m pytest -q -n 2 --dist loadgroup \
+		-p no:cacheprovider $(NEXT_TESTS)
 
 bench: venv
 	$(BIN)/python benchmarks/fit_vs_keras.py

@@ -239,11 +239,15 @@ def test_seed_generators() -> None:
     assert any(g is dropout.seed_generator for g in found)
 
 
+def test_tensorflow_trainer_class_is_the_base_of_keras_model() -> None:
+    trainer = internals.tensorflow_trainer_class()
+    assert trainer.__module__ == "keras.src.backend.tensorflow.trainer", trainer
+    assert trainer in keras.Model.__mro__, (trainer, keras.Model.__mro__)
+    for name in ("train_step", "test_step", "compute_loss", "get_metrics_result"):
+        _require(trainer, name, "tensorflow_trainer_class", "internals.uses_default_step")
+
+
 def test_uses_default_step() -> None:
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    _require(TensorFlowTrainer, "train_step", "uses_default_step", "training.function")
-
     class Custom(keras.Model):
         def train_step(self, data: Any) -> Any:
             return super().train_step(data)
@@ -413,9 +417,14 @@ def test_replica_count_scaling_off() -> None:
         assert float(module.scale_loss_for_distribution(tf.constant(4.0))) == 2.0
 
 
-def test_atomic_variable_updates() -> None:
-    from keras.src.backend.tensorflow.core import Variable
+def test_tensorflow_variable_class_is_the_base_of_keras_variable() -> None:
+    variable_class = internals.tensorflow_variable_class()
+    assert issubclass(keras.Variable, variable_class)
+    assert isinstance(keras.Variable(1.0), variable_class)
 
+
+def test_atomic_variable_updates() -> None:
+    Variable = internals.tensorflow_variable_class()  # noqa: N806 (a class)
     for name in ("assign_add", "assign_sub"):
         _require(Variable, name, "atomic_variable_updates", "training.coordinator")
     variable = keras.Variable(1.0)

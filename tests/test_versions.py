@@ -1,6 +1,8 @@
 """The supported range is the tested range: pyproject.toml bounds TensorFlow and Keras on both
 sides, the Makefile's lowest virtualenv (``make test-lowest``) installs exactly the lower bounds,
-the versions this suite runs under lie inside them, and the README states them."""
+the versions this suite runs under lie inside them, and the README states them. The next
+virtualenv (``make test-next``) installs a Keras pre-release past the upper bound, with the
+newest TensorFlow inside it."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 tomllib = pytest.importorskip("tomllib")
 
@@ -47,9 +50,9 @@ def _declared() -> dict[str, tuple[str, str]]:
     }
 
 
-def _makefile_lowest() -> dict[str, str]:
-    line = re.search(r"^LOWEST := (.+)$", (ROOT / "Makefile").read_text(), re.MULTILINE)
-    assert line, "the Makefile's LOWEST pins are gone (make test-lowest)"
+def _makefile_pins(variable: str) -> dict[str, str]:
+    line = re.search(rf"^{variable} := (.+)$", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    assert line, f"the Makefile's {variable} pins are gone (make test-{variable.lower()})"
     return dict(pin.split("==") for pin in line.group(1).split())
 
 
@@ -61,12 +64,36 @@ def test_tensorflow_and_keras_are_bounded_on_both_sides_alike_in_both_extras() -
 
 
 def test_the_lowest_virtualenv_installs_exactly_the_lower_bounds() -> None:
-    declared, pins = _declared(), _makefile_lowest()
+    declared, pins = _declared(), _makefile_pins("LOWEST")
     assert set(pins) == {"tensorflow-cpu", "keras"}, pins
     for name, pinned in pins.items():
         low, high = declared[name]
         assert _tuple(pinned) == _tuple(low), f"Makefile pins {name}=={pinned}, pyproject >={low}"
         assert _tuple(pinned) < _tuple(high)
+
+
+def test_the_next_virtualenv_pins_a_keras_pre_release_past_the_cap() -> None:
+    declared, pins = _declared(), _makefile_pins("NEXT")
+    assert set(pins) == {"tensorflow-cpu", "keras-nightly"}, pins
+    nightly = Version(pins["keras-nightly"])
+    cap = _tuple(declared["keras"][1])
+    # A pre-release of a version pyproject already allows tests nothing `make test` does not:
+    # "the next" is a version the cap keeps out (3.16.0.devN under <3.16). When the cap moves,
+    # so does this pin.
+    assert nightly.is_prerelease, f"keras-nightly=={nightly} is not a pre-release"
+    assert _tuple(nightly.base_version) >= cap, (
+        f"keras-nightly=={nightly} is not past pyproject's keras<{declared['keras'][1]}: "
+        "pin the newest pre-release (pip index versions keras-nightly)"
+    )
+    # The other half of the pair is the newest TensorFlow pyproject allows, as `make test` runs.
+    low, high = declared["tensorflow-cpu"]
+    pinned = _tuple(pins["tensorflow-cpu"])
+    major, minor, _ = _tuple(high)
+    assert _tuple(low) <= pinned < _tuple(high)
+    assert pinned[:2] == (major, minor - 1), (
+        f"Makefile NEXT pins tensorflow-cpu=={pins['tensorflow-cpu']}, the newest allowed is "
+        f"{major}.{minor - 1} (pyproject <{high})"
+    )
 
 
 def test_the_installed_versions_lie_inside_the_declared_range() -> None:

@@ -68,6 +68,8 @@ __all__ = [
     "strategy_supports_no_merge_call",
     "symbolic_build",
     "tensor_producer",
+    "tensorflow_trainer_class",
+    "tensorflow_variable_class",
     "tf_function_class",
     "trackable_base",
     "train_validation_split",
@@ -188,18 +190,30 @@ def seed_generators(model: Any) -> list[Any]:
     return list(found.values())
 
 
+def tensorflow_trainer_class() -> Any:
+    """The TensorFlow backend's trainer class, a base of ``keras.Model``, which defines or
+    inherits Keras's own ``train_step``, ``compute_loss``, ``get_metrics_result``...
+
+    It lives in ``keras/src/backend/tensorflow/trainer.py`` under two names: ``TensorFlowTrainer``
+    up to Keras 3.15, ``Trainer`` from Keras 3.16's pre-releases on (keras-nightly
+    3.16.0.dev2026102704, ``make test-next``), where ``keras/src/models/model.py`` imports it.
+    """
+    from keras.src.backend.tensorflow import trainer
+
+    found = getattr(trainer, "TensorFlowTrainer", None)
+    return found if found is not None else trainer.Trainer
+
+
 def uses_default_step(model: Any, name: str) -> bool:
     """Whether ``model``'s class keeps Keras's own method ``name`` (``train_step``,
     ``test_step``, ``compute_loss``, ``compute_metrics``, ``get_metrics_result``...).
 
     Compared with the TensorFlow backend's trainer class, which defines or inherits them.
     """
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
     # A prepared model's class wraps its own (training.modelclass): judge the model's class.
     cls = type(model)
     own = getattr(cls.__dict__.get("_tfscale_model_class", cls), name, None)
-    return own is getattr(TensorFlowTrainer, name)
+    return own is getattr(tensorflow_trainer_class(), name)
 
 
 def reduce_per_replica(values: Any, strategy: Any) -> Any:
@@ -533,6 +547,19 @@ def replica_count_scaling_off() -> Iterator[None]:
             release()
 
 
+def tensorflow_variable_class() -> Any:
+    """The TensorFlow backend's ``Variable`` class, the base of ``keras.Variable`` whose
+    ``assign_add`` / ``assign_sub`` ``atomic_variable_updates`` switches.
+
+    Read from the backend package, which exports it in every version: its module moved from
+    ``keras/src/backend/tensorflow/core.py`` (up to Keras 3.15) to
+    ``keras/src/backend/tensorflow/ops/core.py`` (Keras 3.16's pre-releases, ``make test-next``).
+    """
+    from keras.src.backend import tensorflow
+
+    return tensorflow.Variable
+
+
 _ATOMIC_UPDATES: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "tfscale_atomic_updates", default=False
 )
@@ -570,10 +597,8 @@ def atomic_variable_updates() -> Iterator[None]:
     (AssignAddVariableOp, which holds the variable's lock). Enter it inside the replica
     function: only code traced in the thread that entered it sees it.
     """
-    from keras.src.backend.tensorflow.core import Variable
-
     releases = [
-        registry.install("atomic-updates", Variable, name, layer)
+        registry.install("atomic-updates", tensorflow_variable_class(), name, layer)
         for name, layer in _ATOMIC_LAYERS.items()
     ]
     token = _ATOMIC_UPDATES.set(True)

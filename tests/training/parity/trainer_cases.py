@@ -9,6 +9,7 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
+from packaging.version import Version
 
 from .common import (
     FEATURES,
@@ -296,7 +297,10 @@ def _tfscale_equals_five_steps(expected: Run, got: Run) -> None:
 
 
 def _one_extra_count_on_one_device(expected: Run, got: Run) -> None:
-    assert (expected.iterations, got.iterations) == (len(X) // 16 + 1, len(X) // 16)
+    # Keras 3.16's pre-releases count the 4 updates on one device too (make test-next: the
+    # extra count is gone from keras-nightly 3.16.0.dev2026102704).
+    extra = 0 if Version(keras.__version__).release[:2] >= (3, 16) else 1
+    assert (expected.iterations, got.iterations) == (len(X) // 16 + extra, len(X) // 16)
 
 
 def _uneven(n: int) -> tuple[Any, Any]:
@@ -529,8 +533,8 @@ CASES = [
         known_difference=(
             "with a finite Python generator, one-device model.fit's optimizer.iterations "
             "ends one above the batches trained (it rises after the last batch, on the call "
-            "that finds the generator exhausted, with no change to the weights); tfscale "
-            "counts the 4 updates it made"
+            "that finds the generator exhausted, with no change to the weights; Keras 3.16's "
+            "pre-releases no longer do); tfscale counts the 4 updates it made"
         ),
     ),
     Case(
