@@ -12,14 +12,8 @@ from pathlib import Path
 import pytest
 
 from tfscale.cli.main import main
-from tfscale.launch.elastic import (
-    CheckpointNote,
-    Drop,
-    elastic_line,
-    read_checkpoint_note,
-    slot_to_drop,
-    write_checkpoint_note,
-)
+from tfscale.cluster.notes import CheckpointNote, read_checkpoint_note, write_checkpoint_note
+from tfscale.launch.elastic import Drop, elastic_line, slot_to_drop
 from tfscale.launch.plan import LocalJob, plan_tasks
 from tfscale.launch.supervisor import Supervisor, Task
 from tfscale.testing import alive
