@@ -19,6 +19,7 @@ from tfscale.errors import (
     DeviceConfigError,
     LaunchError,
     NonFiniteLossError,
+    OutOfMemoryError,
     PartitionError,
     ProfileError,
     ScopeError,
@@ -56,6 +57,9 @@ _LAZY: dict[str, str] = {
     "pipeline": "tfscale.parallel.pipeline",
     "TaskPool": "tfscale.tasks",
     "current_device": "tfscale.tasks",
+    "MemoryPlan": "tfscale.memory",
+    "plan_memory": "tfscale.memory",
+    "out_of_memory_explained": "tfscale.memory.oom",
     # <<< public names added by feature modules <<<
 }
 
@@ -64,6 +68,7 @@ __all__ = [
     "DeviceConfigError",
     "LaunchError",
     "NonFiniteLossError",
+    "OutOfMemoryError",
     "PartitionError",
     "ProfileError",
     "ScopeError",
