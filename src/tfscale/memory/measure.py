@@ -17,7 +17,14 @@ from dataclasses import dataclass
 
 from tfscale.device_names import device_kind, normalize_device
 
-__all__ = ["MeasuredPeak", "allocator_groups", "cpu_bfc_enabled", "measured_peaks"]
+__all__ = [
+    "MeasuredPeak",
+    "allocator_groups",
+    "cpu_bfc_enabled",
+    "measured_peaks",
+    "read_peaks",
+    "reset_peaks",
+]
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,30 @@ def _key(device: str) -> str:
     return normalize_device(device).replace("/device:", "")
 
 
+def reset_peaks(devices: Sequence[str]) -> list[int]:
+    """Resets the peak of each allocator of ``devices`` (:func:`allocator_groups`) and
+    returns the bytes each holds now."""
+    import tensorflow as tf
+
+    starts = []
+    for group in allocator_groups(devices):
+        tf.config.experimental.reset_memory_stats(_key(group[0]))
+        starts.append(int(tf.config.experimental.get_memory_info(_key(group[0]))["current"]))
+    return starts
+
+
+def read_peaks(devices: Sequence[str], starts: Sequence[int]) -> list[MeasuredPeak]:
+    """Each allocator's peak since :func:`reset_peaks` returned ``starts``."""
+    import tensorflow as tf
+
+    return [
+        MeasuredPeak(
+            group, int(tf.config.experimental.get_memory_info(_key(group[0]))["peak"]), start
+        )
+        for group, start in zip(allocator_groups(devices), starts, strict=True)
+    ]
+
+
 @contextmanager
 def measured_peaks(devices: Sequence[str]) -> Iterator[list[MeasuredPeak]]:
     """Resets each allocator's peak on entry and fills the list with the peaks on exit.
@@ -65,15 +96,7 @@ def measured_peaks(devices: Sequence[str]) -> Iterator[list[MeasuredPeak]]:
             run_steps()
         peaks[0].peak_bytes
     """
-    import tensorflow as tf
-
-    groups = allocator_groups(devices)
-    starts = []
-    for group in groups:
-        tf.config.experimental.reset_memory_stats(_key(group[0]))
-        starts.append(int(tf.config.experimental.get_memory_info(_key(group[0]))["current"]))
+    starts = reset_peaks(devices)
     peaks: list[MeasuredPeak] = []
     yield peaks
-    for group, start in zip(groups, starts, strict=True):
-        info = tf.config.experimental.get_memory_info(_key(group[0]))
-        peaks.append(MeasuredPeak(group, int(info["peak"]), start))
+    peaks.extend(read_peaks(devices, starts))

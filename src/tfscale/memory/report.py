@@ -14,7 +14,7 @@ from typing import Any
 from tfscale.memory.measure import MeasuredPeak, cpu_bfc_enabled, measured_peaks
 from tfscale.memory.plan import COMPONENTS, MemoryPlan
 
-__all__ = ["measure_memory", "memory_lines", "memory_plot", "memory_record"]
+__all__ = ["measure_memory", "memory_lines", "memory_plot", "memory_record", "planned_for"]
 
 _COLOURS = {
     "weights": "#3b7dd8",
@@ -72,6 +72,23 @@ def measure_memory(step: Any, devices: Sequence[str], *, steps: int) -> dict[str
         for _ in range(steps):
             step.with_reduce()
     return memory_record(plan, peaks)
+
+
+def planned_for(
+    model: Any, batch_per_replica: int
+) -> tuple[MemoryPlan, list[str], list[int]] | None:
+    """For ``tfscale profile``'s callback: the plan of ``model``'s step before it runs and the
+    devices whose allocators to read, or None where no plan can be made (a model whose
+    inputs are unknown: the report then has no memory section)."""
+    from tfscale.memory import plan_memory
+
+    if batch_per_replica < 1:
+        return None
+    try:
+        plan = plan_memory(model, batch_per_replica)
+    except Exception:  # a profile measures speed first: a model the plan cannot trace
+        return None
+    return plan, [d.device for d in plan.devices], []
 
 
 def _mib(value: float) -> str:
