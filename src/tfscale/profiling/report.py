@@ -459,6 +459,8 @@ def print_summary(report: Report, directory: str | None = None) -> None:
     if report.workers:
         for line in _worker_lines(report)[1:]:
             console.print(line.replace("**", ""), markup=False)
+    for line in memory_lines(report.points)[3:]:  # the table, without its heading
+        console.print(line, markup=False)
     for i, advice in enumerate(report.advice[:3], 1):
         console.print(f"[bold]{i}. {advice.key}[/bold] ({advice.severity}): {advice.text}")
     if report.verification:
