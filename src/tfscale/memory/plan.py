@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 __all__ = [
     "COMPONENTS",
@@ -69,16 +69,7 @@ Component = Literal[
     "workspace",
     "accumulators",
 ]
-COMPONENTS: tuple[Component, ...] = (
-    "weights",
-    "optimizer",
-    "gradients",
-    "activations",
-    "input",
-    "all_reduce",
-    "workspace",
-    "accumulators",
-)
+COMPONENTS: tuple[Component, ...] = get_args(Component)
 
 
 @dataclass(frozen=True)
