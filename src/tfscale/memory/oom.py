@@ -88,7 +88,8 @@ def out_of_memory_message(
         memory = "unknown memory" if row.capacity is None else f"{_mib(row.capacity)} memory"
         problem += (
             f" Planned per device for {plan.options.describe()}: {parts}; "
-            f"peak {_mib(row.peak)} of {memory}."
+            f"peak {_mib(row.peak)} (the held parts, the gradients and the largest of "
+            f"activations, all_reduce and workspace, which follow one another) of {memory}."
         )
     if checkpoint:
         problem += (

@@ -359,7 +359,8 @@ def fixes(plan: MemoryPlan, budget: int, *, devices_available: int = 1) -> list[
             k = o.accumulation_steps * divisor
             candidates.append(
                 (
-                    f"batch {batch // divisor} per replica with accumulation_steps={k}",
+                    f"batch_size={batch // divisor * o.replicas}, accumulation_steps={k} "
+                    f"({batch // divisor} per replica)",
                     "same global batch and update, more and smaller steps",
                     dataclasses.replace(
                         o, batch_per_replica=batch // divisor, accumulation_steps=k
