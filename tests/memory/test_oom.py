@@ -16,8 +16,6 @@ import pytest
 
 from tfscale.testing import descendants, run_python
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
-
 _ENV = {
     "TF_CPU_ALLOCATOR_USE_BFC": "true",
     "TF_CPU_BFC_MEM_LIMIT_IN_MB": "130",
@@ -88,6 +86,8 @@ def _check(result: dict[str, object], batch: int = 4096, fixes: int = 2) -> None
     assert any("accumulation_steps=" in change for change, _ in fitting), message
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_fit_out_of_memory_names_the_plan_the_fixes_and_the_last_checkpoint(
     tmp_path: Path,
 ) -> None:
@@ -111,6 +111,8 @@ except tfscale.OutOfMemoryError as error:
     assert not descendants(__import__("os").getpid())
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_prepared_model_fit_and_custom_loop_out_of_memory_explained(tmp_path: Path) -> None:
     code = """
 model = build(strategy)
@@ -161,3 +163,17 @@ except tfscale.OutOfMemoryError as error:
     assert "No checkpoint was saved" in prepared_fit["message"]
     _check(loop, batch=8192, fixes=1)  # twice the batch: only a smaller one fits
     assert not descendants(__import__("os").getpid())
+
+
+def test_only_an_allocators_exhaustion_is_explained_as_memory() -> None:
+    from tfscale.memory.oom import error_device, is_out_of_memory
+
+    oom = (
+        "Graph execution error:\n(0) RESOURCE_EXHAUSTED:  OOM when allocating tensor with "
+        "shape[4096,1024] and type float on /job:localhost/replica:0/task:0/device:GPU:1 "
+        "by allocator GPU_1_bfc"
+    )
+    assert is_out_of_memory(RuntimeError(oom))
+    assert error_device(oom) == "/device:GPU:1"
+    assert not is_out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: queue is full"))
+    assert error_device("no device here") is None

@@ -23,6 +23,7 @@ __all__ = [
     "budget_for",
     "error_device",
     "explained",
+    "is_out_of_memory",
     "note_checkpoints",
     "out_of_memory_explained",
     "out_of_memory_message",
@@ -58,6 +59,13 @@ def error_device(message: str) -> str | None:
     """
     match = _DEVICE.search(message)
     return f"/device:{match.group(2)}" if match else None
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether a ``ResourceExhaustedError`` is an allocator's (TensorFlow also uses the code
+    for other exhausted resources, such as a queue's capacity)."""
+    text = str(error)
+    return "OOM" in text or "out of memory" in text.lower()
 
 
 def budget_for(plan: MemoryPlan, device: str | None) -> int:
@@ -169,6 +177,8 @@ def explained(model: Any, batch_per_replica: int | None, options: Any = None) ->
     try:
         yield
     except tf.errors.ResourceExhaustedError as error:
+        if not is_out_of_memory(error):
+            raise
         raise out_of_memory_error(model, error, batch_per_replica, options) from error
 
 

@@ -42,7 +42,7 @@ import tensorflow as tf
 
 from tfscale import internals
 from tfscale.errors import TrainingError, explain
-from tfscale.memory.oom import out_of_memory_error
+from tfscale.memory.oom import is_out_of_memory, out_of_memory_error
 from tfscale.training.data import num_workers
 from tfscale.training.layercalls import layer_calls
 from tfscale.training.optimizer import step_context
@@ -322,6 +322,8 @@ class StepFunction:
         try:
             return self._checked_call(iterator)
         except tf.errors.ResourceExhaustedError as error:
+            if not is_out_of_memory(error):
+                raise  # another resource (threads, a quota): not memory
             # Explained with the memory plan of this step and the changes that would fit.
             raise out_of_memory_error(
                 self.model, error, self._replica_batch(iterator), self.options
@@ -333,6 +335,8 @@ class StepFunction:
         batch = _replica_batch(iterator)
         if batch is not None or not isinstance(iterator, tf.distribute.DistributedIterator):
             return batch
+        if not self.single_worker:
+            return None  # the workers' agreement on the next batch is a collective: no peek
         try:
             data = self.fetch(iterator)
         except (StopIteration, tf.errors.OpError):
