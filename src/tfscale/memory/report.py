@@ -108,7 +108,7 @@ def memory_lines(points: Sequence[Any]) -> list[str]:
         if memory.get("note"):
             notes.add(memory["note"])
         if not memory["measured"]:
-            rows.append([label, "all", _mib(plan["total_peak_bytes"]), "-", "-"])
+            rows.append([label, "all", _mib(plan["total_peak_bytes"]), "-", "-", "-"])
         for measured in memory["measured"]:
             ratio = measured["planned_over_measured"]
             rows.append(
@@ -117,6 +117,7 @@ def memory_lines(points: Sequence[Any]) -> list[str]:
                     " + ".join(d.replace("/device:", "") for d in measured["devices"]),
                     _mib(measured["planned_bytes"]),
                     _mib(measured["peak_bytes"]),
+                    _mib(measured["start_bytes"]),
                     "-" if ratio is None else f"{ratio:.2f}",
                 ]
             )
@@ -127,12 +128,17 @@ def memory_lines(points: Sequence[Any]) -> list[str]:
         "devices",
         "planned peak MiB",
         "measured peak MiB",
+        "held before MiB",
         "planned / measured",
     ]
     lines = ["", "## Memory: planned and measured peak", ""]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "---|" * len(header))
     lines += ["| " + " | ".join(row) + " |" for row in rows]
+    notes.add(
+        "held before: what the allocator held as the measured steps began (variables, the "
+        "input's data); a model of a few MiB is planned low beside the runtime's own bytes."
+    )
     return lines + [f"- {n}" for n in sorted(notes)]
 
 
