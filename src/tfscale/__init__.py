@@ -19,6 +19,7 @@ from tfscale.errors import (
     DeviceConfigError,
     LaunchError,
     NonFiniteLossError,
+    OutOfMemoryError,
     PartitionError,
     ProfileError,
     ScopeError,
@@ -57,6 +58,9 @@ _LAZY: dict[str, str] = {
     "pipeline": "tfscale.parallel.pipeline",
     "TaskPool": "tfscale.tasks",
     "current_device": "tfscale.tasks",
+    "MemoryPlan": "tfscale.training.memory",
+    "plan_memory": "tfscale.training.memory",
+    "out_of_memory_explained": "tfscale.training.memory.oom",
     # <<< public names added by feature modules <<<
 }
 
@@ -65,6 +69,7 @@ __all__ = [
     "DeviceConfigError",
     "LaunchError",
     "NonFiniteLossError",
+    "OutOfMemoryError",
     "PartitionError",
     "ProfileError",
     "ScopeError",

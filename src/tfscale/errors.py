@@ -11,6 +11,7 @@ __all__ = [
     "DeviceConfigError",
     "LaunchError",
     "NonFiniteLossError",
+    "OutOfMemoryError",
     "PartitionError",
     "ProfileError",
     "ScopeError",
@@ -88,6 +89,35 @@ class TrainingError(TfscaleError, ValueError):
 
 class NonFiniteLossError(TrainingError):
     """The training loss became NaN or infinite."""
+
+
+class OutOfMemoryError(TfscaleError):
+    """A training step ran out of device memory (TensorFlow's ``ResourceExhaustedError``).
+
+    The message names the device, the memory plan's breakdown and the changes that would
+    fit with their predicted bytes; the TensorFlow error is chained as ``__cause__``.
+
+    Attributes:
+        device: The device that ran out, where TensorFlow named it.
+        plan: The :class:`tfscale.training.memory.MemoryPlan` of the failed step, if one was made.
+        fixes: The :class:`tfscale.training.memory.Fix` list, cheapest first.
+        checkpoint: The last checkpoint saved before the failure, if any.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        device: str | None = None,
+        plan: object = None,
+        fixes: tuple[object, ...] = (),
+        checkpoint: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.device = device
+        self.plan = plan
+        self.fixes = fixes
+        self.checkpoint = checkpoint
 
 
 class TaskError(TfscaleError):

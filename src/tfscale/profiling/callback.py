@@ -89,8 +89,22 @@ class ProfileCallback(keras.callbacks.Callback):  # type: ignore[misc]
         self._tracing = False
         self._trace_context: Any = None
         self._tempdir: tempfile.TemporaryDirectory[str] | None = None
+        self.memory: dict[str, Any] = {}
+        self._memory_watch: tuple[Any, list[str], list[int]] | None = None
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self._memory_watch = None
+        if self.batch_size:
+            from tfscale.training.memory.report import planned_for
+
+            self._memory_watch = planned_for(self.model, self.batch_size // self.replicas)
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        if self._step == self.warmup and self._memory_watch is not None:
+            from tfscale.training.memory.measure import reset_peaks
+
+            plan, devices, _ = self._memory_watch
+            self._memory_watch = (plan, devices, reset_peaks(devices))
         if self.trace_steps and self._step == self.trace_steps[0] and not self._tracing:
             self._start_trace()
         if self._tracing:
@@ -133,6 +147,14 @@ class ProfileCallback(keras.callbacks.Callback):  # type: ignore[misc]
     def on_train_end(self, logs: Any = None) -> None:
         if self._tracing:
             self._stop_trace()
+        watch, self._memory_watch = self._memory_watch, None
+        if watch is not None:
+            from tfscale.training.memory.measure import read_peaks
+            from tfscale.training.memory.report import memory_record
+
+            plan, devices, starts = watch
+            measured = read_peaks(devices, starts) if starts else []
+            self.memory = memory_record(plan, measured)
 
     def _start_trace(self) -> None:
         import tensorflow as tf
@@ -196,4 +218,5 @@ class ProfileCallback(keras.callbacks.Callback):  # type: ignore[misc]
             "trace_shares": self.trace_shares,
             "step_s": list(self.step_s),
             "jit_compile": bool(getattr(self.model, "jit_compile", False) is True),
+            "memory": self.memory,
         }

@@ -19,6 +19,7 @@ from tfscale.profiling.advice import Advice
 from tfscale.profiling.collectives import CollectiveResult
 from tfscale.profiling.stragglers import Straggler, WorkerRow
 from tfscale.profiling.sweep import SweepPoint
+from tfscale.training.memory.report import memory_lines, memory_plot
 
 __all__ = ["Report", "plots", "to_dict", "to_markdown", "write_report"]
 
@@ -81,6 +82,7 @@ def _point_dict(point: SweepPoint) -> dict[str, Any]:
         "method": b.method,
         "trace_shares": point.trace,
         **({"extra": b.extra} if b.extra else {}),
+        **({"memory": point.memory} if point.memory else {}),
     }
 
 
@@ -220,6 +222,7 @@ def to_markdown(report: Report) -> str:
                 for c in report.collectives
             ],
         )
+    lines += memory_lines(report.points)
     lines += ["", "## Advice (best predicted effect first)", ""]
     if not report.advice:
         lines.append("Nothing to change: no rule fired.")
@@ -242,7 +245,9 @@ _TRACE_ORDER = ("input", "compute", "communication", "other")
 
 
 def plots(report: Report) -> dict[str, bytes]:
-    """PNG images: ``"scaling"`` (throughput and efficiency) and ``"breakdown"`` (stacked bars)."""
+    """PNG images: ``"scaling"`` (throughput and efficiency), ``"breakdown"`` (stacked bars)
+    and, where the memory was planned, ``"memory"`` (per device: the plan's components and
+    the measured peak)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -302,6 +307,16 @@ def plots(report: Report) -> dict[str, bytes]:
     plt.close(figure)
     if report.workers:
         images["workers"] = _workers_plot(report)
+    memory = [p for p in report.points if p.memory and p.mode != "strong"]
+    if memory:
+        point = max(memory, key=lambda p: p.replicas)  # the advised configuration's
+        figure = memory_plot(
+            point.memory,
+            f"Memory per device: planned (bars) and measured peak, "
+            f"{point.replicas} x {point.batch_per_replica}",
+        )
+        images["memory"] = _png(figure)
+        plt.close(figure)
     return images
 
 
@@ -444,6 +459,8 @@ def print_summary(report: Report, directory: str | None = None) -> None:
     if report.workers:
         for line in _worker_lines(report)[1:]:
             console.print(line.replace("**", ""), markup=False)
+    for line in memory_lines(report.points)[3:]:  # the table, without its heading
+        console.print(line, markup=False)
     for i, advice in enumerate(report.advice[:3], 1):
         console.print(f"[bold]{i}. {advice.key}[/bold] ({advice.severity}): {advice.text}")
     if report.verification:

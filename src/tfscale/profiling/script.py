@@ -314,7 +314,13 @@ def _points(data: dict[str, Any]) -> list[tuple[dict[str, Any], Any]]:
         replicas = summary["replicas"]
         b = from_record(summary, batch)
         point = SweepPoint(
-            "script", replicas, max(batch // replicas, 0), 1, b, trace=summary["trace_shares"]
+            "script",
+            replicas,
+            max(batch // replicas, 0),
+            1,
+            b,
+            trace=summary["trace_shares"],
+            memory=summary.get("memory") or {},
         )
         out.append((summary, point))
     return out

@@ -17,6 +17,7 @@ import os
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tfscale.errors import ProfileError, explain
 from tfscale.profiling import metrics
@@ -42,6 +43,8 @@ class SweepPoint:
         speedup: Throughput over the smallest replica count's (same mode).
         efficiency: Scaling efficiency against the smallest replica count (same mode).
         trace: Shares per class from a profiler trace of a few steps, where captured.
+        memory: The memory plan of its step and the allocator's measured peak
+            (:func:`tfscale.training.memory.report.memory_record`), where measured.
     """
 
     mode: str
@@ -52,6 +55,7 @@ class SweepPoint:
     speedup: float = 1.0
     efficiency: float = 1.0
     trace: dict[str, float] = field(default_factory=dict)
+    memory: dict[str, Any] = field(default_factory=dict)
 
     @property
     def global_batch(self) -> int:
@@ -175,6 +179,7 @@ def measure_point(
     trace_steps: int = 0,
     probe: bool = False,
     on_step: Callable[[], None] | None = None,
+    memory: dict[str, Any] | None = None,
 ) -> tuple[Breakdown, dict[str, float]]:
     """Measures one configuration: its step with and without the all-reduce, interleaved.
 
@@ -183,6 +188,11 @@ def measure_point(
     against the batch, and against the micro-batches per update) are measured at this
     replica count; the results go into ``Breakdown.extra`` as ``local_s_at_2x_batch`` and
     ``local_s_at_2x_accumulation``.
+
+    With ``memory`` (a dict), the step's memory plan is made before it runs and the
+    allocator's peak read over ``warmup`` further steps after the warm-up, before anything
+    else of this configuration exists (:func:`tfscale.training.memory.report.measure_memory`); the
+    dict is filled with both.
 
     Returns:
         The wall-clock breakdown, and the trace shares (empty unless ``trace_steps``).
@@ -197,6 +207,10 @@ def measure_point(
                 jit_compile=jit_compile,
             )
         )
+        if memory is not None:
+            from tfscale.training.memory.report import measure_memory
+
+            memory.update(measure_memory(step, devices, steps=max(2, warmup)))
         runs = [(step.with_reduce, step.examples_per_step)]
         if step.without_reduce is not None:
             runs.append((step.without_reduce, step.examples_per_step))
@@ -285,6 +299,7 @@ def run_sweep(
             if tick:
                 tick(f"{mode} scaling, {n} replica(s), batch {batch}/replica, accumulation {k}", 1)
 
+        memory: dict[str, Any] = {}
         result, shares = measure_point(
             workload,
             devices[:n],
@@ -296,8 +311,9 @@ def run_sweep(
             trace_steps=trace,
             probe=probe,
             on_step=on_step,
+            memory=memory,
         )
-        point = SweepPoint(mode, n, batch, k, result, trace=shares)
+        point = SweepPoint(mode, n, batch, k, result, trace=shares, memory=memory)
         if on_point:
             on_point(point)
         return point
@@ -325,6 +341,7 @@ def run_sweep(
                 first_k,
                 largest.breakdown,
                 trace=largest.trace,
+                memory=largest.memory,
             )
         )
         points.extend(_with_scaling(strong_points))
@@ -348,6 +365,7 @@ def _with_scaling(points: list[SweepPoint]) -> list[SweepPoint]:
                     point.examples_per_s, base.examples_per_s, point.replicas, base.replicas
                 ),
                 point.trace,
+                point.memory,
             )
         )
     return out

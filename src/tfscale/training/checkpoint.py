@@ -30,6 +30,7 @@ from tfscale import internals
 from tfscale.cluster.notes import REPORT_ENV, CheckpointNote, write_checkpoint_note
 from tfscale.errors import TrainingError, explain
 from tfscale.training.adopt import all_variables
+from tfscale.training.memory.oom import note_checkpoints
 from tfscale.training.prepare import prepared
 
 __all__ = ["CheckpointCallback", "CheckpointConfig", "SavedPosition", "saved_position"]
@@ -208,6 +209,7 @@ class CheckpointCallback(keras.callbacks.Callback):  # type: ignore[misc]
     # -- Keras hooks ---------------------------------------------------------------------
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self._build()
+        note_checkpoints(self.model, self.config.directory)  # named by an out-of-memory error
         latest = tf.train.latest_checkpoint(self.config.directory)
         if latest is None:
             return

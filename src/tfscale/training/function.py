@@ -45,6 +45,7 @@ from tfscale import internals
 from tfscale.errors import TrainingError, explain
 from tfscale.strategy.current import num_workers
 from tfscale.training.layercalls import layer_calls
+from tfscale.training.memory.oom import is_out_of_memory, out_of_memory_error
 from tfscale.training.optimizer import step_context
 from tfscale.training.xla import check_compilable, compiled_step, is_xla_failure, xla_error
 
@@ -95,6 +96,18 @@ def example_count(data: Any) -> tf.Tensor:
 def _first_replica_spec(spec: Any) -> Any:
     components = internals.per_replica_component_specs(spec)
     return components[0] if components else spec
+
+
+def _replica_batch(iterator: Any) -> int | None:
+    """One replica's batch from the iterator's element spec, where its size is static."""
+    spec = getattr(iterator, "element_spec", None)
+    if spec is None:
+        return None
+    first = tf.nest.flatten(tf.nest.map_structure(_first_replica_spec, spec))
+    shape = getattr(first[0], "shape", None) if first else None
+    if shape is None or shape.rank is None or shape.rank == 0:
+        return None
+    return None if shape[0] is None else int(shape[0])
 
 
 @contextlib.contextmanager
@@ -318,6 +331,32 @@ class StepFunction:
 
     # -- Python --------------------------------------------------------------------------
     def __call__(self, iterator: Any) -> Any:
+        try:
+            return self._checked_call(iterator)
+        except tf.errors.ResourceExhaustedError as error:
+            if not is_out_of_memory(error):
+                raise  # another resource (threads, a quota): not memory
+            # Explained with the memory plan of this step and the changes that would fit.
+            raise out_of_memory_error(
+                self.model, error, self._replica_batch(iterator), self.options
+            ) from error
+
+    def _replica_batch(self, iterator: Any) -> int | None:
+        """One replica's batch: static in the iterator's spec, else that of the batch after
+        the failed step's (read from the input here: the fit is ending with the error)."""
+        batch = _replica_batch(iterator)
+        if batch is not None or not isinstance(iterator, tf.distribute.DistributedIterator):
+            return batch
+        if not self.single_worker:
+            return None  # the workers' agreement on the next batch is a collective: no peek
+        try:
+            data = self.fetch(iterator)
+        except (StopIteration, tf.errors.OpError):
+            return None
+        first = tf.nest.flatten(self.strategy.experimental_local_results(data)[0])
+        return int(_leading(first[0])) if first else None
+
+    def _checked_call(self, iterator: Any) -> Any:
         if not self.options.jit_compile:
             return self._call(iterator)
         if not self._xla_checked:
