@@ -2,16 +2,20 @@
 
 TensorFlow cannot read two distributed inputs over the same devices at once: two threads,
 each iterating its own ``strategy.experimental_distribute_dataset`` of one
-MirroredStrategy, got each other's batches (3 of 49 repeats) or hung in
+MirroredStrategy, got each other's batches (3 of 49 repeats: the second device's share of
+every batch came from the other thread's dataset, the first device's was right) or hung in
 ``MultiDeviceIterator`` ``get_next`` (1 of 49), with TensorFlow alone; over disjoint
-devices (a strategy per thread), 0 of 100 (``tests/training/test_threads.py``). No
-upstream issue found; the wait is inside TensorFlow's runtime, likely the rendezvous of the
-remote calls by which each device's ``GeneratorDataset`` reads its shard
-(``MultiDeviceIteratorGetNextFromShard``; tensorflow/tensorflow#62523 was suspected). Two
-fits sharing a MirroredStrategy in two threads hung or trained to other weights in 2 of 108
-repeats (py-spy and gdb: both train functions in ``ProcessFunctionLibraryRuntime::RunSync``,
-the shard reads waiting on their buffers), and two custom loops the same way (a hang or
-other weights within 40 repeats, with and without tfscale). So each strategy object has one turn
+devices (a strategy per thread), 0 of 100. With each thread's iterator made once and
+read on, 200 of 200 repeats read right: it is while one is made that the other's reads go
+astray. No upstream issue found; the wait is inside TensorFlow's runtime, in the remote
+calls by which each device's ``GeneratorDataset`` reads its shard
+(``MultiDeviceIteratorGetNextFromShard``; tensorflow/tensorflow#62523, TensorFlow's local
+rendezvous, was suspected and is not confirmed). Two fits sharing a MirroredStrategy in two
+threads hung or trained to other weights in 2 of 108 repeats (py-spy and gdb: both train
+functions in ``ProcessFunctionLibraryRuntime::RunSync``, the shard reads waiting on their
+buffers), and two custom loops the same way, with tfscale or without (a hang or other
+weights within 40 repeats; ``tests/training/test_threads.py``). So each strategy object has
+one turn
 (:func:`turn`, re-entrant), which costs the threads nothing they could have had: both need
 all of the strategy's devices.
 
@@ -25,8 +29,9 @@ all of the strategy's devices.
   waits for the call in progress, and a loop for a running fit. Each thread of a
   ``TaskPool`` running loops one after the other is never held up.
 
-Not covered: an iterator's destruction (wherever the garbage collector runs it, on any
-thread) and a step called as a ``ConcreteFunction`` (``get_concrete_function``).
+Not covered: loops in a process where no prepared loop lives (nothing is installed then),
+an iterator's destruction (wherever the garbage collector runs it, on any thread), and a
+step called as a ``ConcreteFunction`` (``get_concrete_function``).
 """
 
 from __future__ import annotations
