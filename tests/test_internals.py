@@ -178,6 +178,26 @@ def test_tf_function_class() -> None:
     assert callable(internals.tf_function_class().__call__)
 
 
+def test_distributed_input_methods_and_strategy() -> None:
+    """Each method exists where tfscale.training.turns wraps it, and a distributed dataset,
+    its iterator and the input of distribute_datasets_from_function name their strategy."""
+    for owner, name in internals.distributed_input_methods():
+        _require(owner, name, "distributed_input_methods", "training.turns (prepare_loop)")
+        assert name in vars(owner), f"{owner.__name__}.{name} is inherited: wrap its owner"
+    strategy = mirrored_on_cpus(2)
+    dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.range(4).batch(2))
+    from_function = strategy.distribute_datasets_from_function(
+        lambda _: tf.data.Dataset.range(4).batch(1)
+    )
+    iterator = iter(dataset)
+    classes = {owner for owner, _ in internals.distributed_input_methods()}
+    for value in (dataset, from_function, iterator):
+        _require(value, "_strategy", "distributed_input_strategy", "training.turns")
+        assert internals.distributed_input_strategy(value) is strategy
+        assert any(isinstance(value, owner) for owner in classes)
+    assert internals.distributed_input_strategy(tf.data.Dataset.range(2)) is None
+
+
 def test_xplane_pb2() -> None:
     space = internals.xplane_pb2().XSpace()
     plane = space.planes.add(name="/device:CPU:0")

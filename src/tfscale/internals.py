@@ -38,6 +38,8 @@ __all__ = [
     "cross_device_ops",
     "dataset_batch_size",
     "distributed_container",
+    "distributed_input_methods",
+    "distributed_input_strategy",
     "eager_context",
     "epoch_iterator_dataset",
     "flatten_layers",
@@ -833,6 +835,30 @@ def dataset_batch_size(dataset: Any) -> Any:
     other datasets. (``profiling/script.py``.)
     """
     return getattr(dataset, "_batch_size", None)
+
+
+def distributed_input_methods() -> list[tuple[Any, str]]:
+    """``input_lib``'s ``DistributedDataset.__iter__``, ``DistributedDatasetsFromFunction.
+    __iter__``, ``DistributedIteratorBase.get_next`` and ``get_next_as_optional``: where a
+    distributed input makes and reads its multi-device iterators (``next(iterator)`` and
+    ``for batch in dist_dataset`` go through ``get_next``), which take their strategy's turn
+    while a prepared loop lives; tf.distribute has no public hook. (``training/turns.py``.)
+    """
+    from tensorflow.python.distribute import input_lib
+
+    return [
+        (input_lib.DistributedDataset, "__iter__"),
+        (input_lib.DistributedDatasetsFromFunction, "__iter__"),
+        (input_lib.DistributedIteratorBase, "get_next"),
+        (input_lib.DistributedIteratorBase, "get_next_as_optional"),
+    ]
+
+
+def distributed_input_strategy(value: Any) -> Any:
+    """``_strategy`` of a distributed dataset or iterator: the strategy whose devices it
+    reads onto (None for anything else). (``training/turns.py``.)
+    """
+    return getattr(value, "_strategy", None)
 
 
 def tf_function_class() -> Any:

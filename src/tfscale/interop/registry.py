@@ -204,6 +204,17 @@ INTERCEPTIONS: tuple[Interception, ...] = (
         "while a prepared loop lives",
     ),
     Interception(
+        "device-turns",
+        "tf.distribute's distributed datasets and iterators (input_lib), tf.function's Function",
+        ("__iter__", "get_next", "get_next_as_optional", "__call__"),
+        "while-needed",
+        "TensorFlow cannot read two distributed inputs over the same devices at once (two "
+        "threads got each other's batches or hung in MultiDeviceIterator get_next, "
+        "TensorFlow alone): making and reading one, and each call of a tf.function whose "
+        "trace reads one, take the strategy's turn (training/turns.py); held while a "
+        "prepared loop lives",
+    ),
+    Interception(
         "script-watch",
         "tf.distribute.Strategy, keras.Model, keras.optimizers.Optimizer, "
         "tf.distribute.MirroredStrategy, tfscale, tf.function's Function",

@@ -96,7 +96,7 @@ def released_in_background(held: list[Any]) -> None:
     scheduled, from a few ms to seconds on a busy machine. Keras's ``fit`` destroys its
     epoch iterator as it returns, after the callbacks' ``on_train_end``, so every call ended
     that much late (#26). The thread is not a daemon: the interpreter waits for it at exit.
-    It does not hold the strategy's fit lock (``prepare.one_fit_at_a_time``): the next fit
+    It does not hold the strategy's turn (``turns.turn``), which the fit holds: the next fit
     would wait for it at its start instead.
     """
     if held:

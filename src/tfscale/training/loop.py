@@ -40,7 +40,7 @@ import tensorflow as tf
 from tfscale import internals
 from tfscale.errors import TrainingError, explain
 from tfscale.interop import registry
-from tfscale.training import conventions
+from tfscale.training import conventions, turns
 from tfscale.training.adopt import adopt, keras_accumulation_steps
 from tfscale.training.conventions import DECLARED, Declared, Weighting
 from tfscale.training.optimizer import (
@@ -319,11 +319,13 @@ def register_loop(model: Any, update: DistributedUpdate, loss: Declared = "auto"
         # A second preparation of the same optimizer replaces the first's state.
         _LOOPS[:] = [ref for ref in _LOOPS if getattr(ref(), "update", update) is not update]
         _LOOPS.append(weakref.ref(state))
-    # The watches on the tape and the loss reductions are held while this loop lives: once
-    # no prepared loop is left, TensorFlow's and Keras's own functions are back in place.
+    # The watches on the tape and the loss reductions, and the turns of the loop's input and
+    # steps on the strategy's devices (turns.py), are held while this loop lives: once no
+    # prepared loop is left, TensorFlow's and Keras's own functions are back in place.
     releases = [
         internals.watch_gradient_targets(_on_gradient),
         internals.watch_loss_reductions(conventions.on_reduction),
+        turns.take_turns(),
     ]
     weakref.finalize(state, _release_all, releases)
     return state

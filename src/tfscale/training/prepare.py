@@ -25,7 +25,6 @@ when they do not change.
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 from collections.abc import Callable, MutableMapping
 from types import FrameType
@@ -49,6 +48,7 @@ from tfscale.training.optimizer import DistributedUpdate, distributed_update
 from tfscale.training.options import Decided, Entry, Options, decide, resolve_strategy
 from tfscale.training.precision import Precision, apply_policy
 from tfscale.training.shorthand import takes_options
+from tfscale.training.turns import turn
 
 __all__ = [
     "FitRequest",
@@ -109,29 +109,6 @@ def check_model(model: Any) -> None:
                     f"(or tfscale.prepare(model, accumulation_steps={steps}))",
                 )
             )
-
-
-# One fit at a time per strategy object. Two fits sharing one MirroredStrategy in two
-# threads (a TaskPool's) sometimes hung or silently trained to other weights: in 2 of
-# 108 repeats after the in-process training suite, and once in a full `make test`, where
-# py-spy and gdb showed both train functions waiting in ProcessFunctionLibraryRuntime::RunSync
-# and the multi-device iterators' shard reads (MultiDeviceIteratorGetNextFromShard, fed by
-# remote calls from each device's GeneratorDataset) waiting on their buffers. With a strategy
-# per fit over disjoint devices, 0 of 60. The cause is inside TensorFlow's runtime (likely
-# its local rendezvous, tensorflow/tensorflow#62523) and not isolated; until it is, fits that
-# share a strategy (its devices) run one after the other, which costs nothing they could have
-# gained: both need all of its devices. Re-entrant: a callback may fit another model.
-_FIT_LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
-_FIT_LOCKS_LOCK = threading.Lock()
-
-
-def one_fit_at_a_time(strategy: tf.distribute.Strategy) -> threading.RLock:
-    """The lock a fit under ``strategy`` holds while it runs (see ``_FIT_LOCKS``)."""
-    with _FIT_LOCKS_LOCK:
-        lock = _FIT_LOCKS.get(strategy)
-        if lock is None:
-            lock = _FIT_LOCKS[strategy] = threading.RLock()
-        return lock
 
 
 def _drop_loop_locals(error: BaseException) -> None:
@@ -245,7 +222,7 @@ class Prepared:
                 arguments["callbacks"] = guarded(arguments.get("callbacks"), self.model, update)
 
         update = self.update
-        with one_fit_at_a_time(self.strategy):
+        with turn(self.strategy):  # one fit at a time per strategy's devices (turns.py)
             self.epoch_iterator = None  # the first symbolic build of this fit sets it
             outer, self._fit_input = self._fit_input, FitInputs()
             try:
