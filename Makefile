@@ -89,7 +89,7 @@ LOWEST_VENV ?= $(HOME)/.cache/tfscale/venv-lowest
 LOWEST := tensorflow-cpu==2.16.2 keras==3.10.0
 PARITY := tests/training/test_parity.py::test_tfscale_fit_matches_one_device_model_fit
 EXAMPLES := tests/training/test_parity_examples.py::test_tfscale_fit_matches_one_device_model_fit
-LOWEST_TESTS := tests/test_internals.py tests/test_versions.py tests/training/test_steps_per_call.py \
+LOWEST_TESTS := tests/interop/test_internals.py tests/test_versions.py tests/training/test_steps_per_call.py \
 	tests/training/test_adopt.py \
 	tests/training/test_inputs.py::test_every_iterator_of_a_fit_is_destroyed_off_the_callers_thread \
 	tests/training/test_equivalence.py::test_replicas_give_the_weights_of_one_device \
@@ -124,7 +124,7 @@ test-lowest:
 # import this clone's src first.
 NEXT_VENV ?= $(HOME)/.cache/tfscale/venv-next
 NEXT := tensorflow-cpu==2.21.0 keras-nightly==3.16.0.dev2026102704
-NEXT_TESTS := tests/test_internals.py tests/training/test_parity.py \
+NEXT_TESTS := tests/interop/test_internals.py tests/training/test_parity.py \
 	tests/training/test_parity_examples.py tests/training/test_equivalence.py
 
 test-next:

@@ -58,7 +58,7 @@ tfscale.use_virtual_devices(2)
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tfscale.internals import xplane_pb2  # noqa: E402
+from tfscale.interop.internals import xplane_pb2  # noqa: E402
 from tfscale.parallel.pipeline import PipelineModel, pipeline  # noqa: E402
 from tfscale.parallel.schedule import bubble_fraction  # noqa: E402
 

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import tensorflow as tf
 
 import tfscale  # noqa: F401  (splits the CPU into 2 logical devices)
-from tfscale.internals import symbolic_build
+from tfscale.interop.internals import symbolic_build
 from tfscale.training.trainer import Trainer
 from tfscale.workloads import build_model, synthetic_images
 

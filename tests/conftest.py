@@ -53,7 +53,7 @@ os.environ.pop("TFSCALE_VIRTUAL_DEVICES", None)
 import numpy.testing  # noqa: F401
 import pytest
 
-from tfscale import tf_import
+from tfscale.runtime import tf_import
 from tfscale.testing import child_pids
 
 NUM_TEST_DEVICES = 4
@@ -61,7 +61,8 @@ NUM_TEST_DEVICES = 4
 
 def _split_cpu() -> None:
     # Runs once TensorFlow has finished importing and before any op starts its runtime. It
-    # calls TensorFlow directly: tfscale.devices may be the module whose import is running.
+    # calls TensorFlow directly: tfscale.devices.discovery may be the module whose import is
+    # running.
     tf = sys.modules["tensorflow"]
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(

@@ -2,9 +2,9 @@
 
 The import hook applies the variable the moment TensorFlow has finished importing, which may
 be while the tfscale module of that first call is itself importing TensorFlow. It used to
-import ``tfscale.devices`` there, and a first call to ``discover_devices`` or
+import ``tfscale.devices.discovery`` there, and a first call to ``discover_devices`` or
 ``use_virtual_devices`` (whose module was half imported) failed with "cannot import name
-'apply_env_virtual_devices' from partially initialized module 'tfscale.devices'" (#21.4).
+'apply_env_virtual_devices' from partially initialized module 'tfscale.devices.discovery'" (#21.4).
 Each first call runs in a fresh process: only the first import of TensorFlow shows it.
 """
 

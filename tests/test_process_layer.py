@@ -126,7 +126,7 @@ def test_the_cycle_search_finds_a_cycle() -> None:
 
 def _package_graph() -> dict[str, set[str]]:
     """The module graph with each package (and each root module) as one node:
-    ``tfscale.training.fit`` -> ``training``, ``tfscale.internals`` -> ``internals``."""
+    ``tfscale.training.fit`` -> ``training``, ``tfscale.interop.internals`` -> ``internals``."""
     modules = dict(_modules())
     known = set(modules)
 

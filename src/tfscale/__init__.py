@@ -34,9 +34,9 @@ __version__ = "0.1.0"
 
 # Public name -> module that defines it. Keep sorted by module.
 _LAZY: dict[str, str] = {
-    "DeviceInfo": "tfscale.devices",
-    "discover_devices": "tfscale.devices",
-    "use_virtual_devices": "tfscale.devices",
+    "DeviceInfo": "tfscale.devices.discovery",
+    "discover_devices": "tfscale.devices.discovery",
+    "use_virtual_devices": "tfscale.devices.discovery",
     # >>> public names added by feature modules (keep one line per name) >>>
     "ProfileCallback": "tfscale.profiling.callback",
     "profile": "tfscale.profiling.bench",
@@ -46,12 +46,12 @@ _LAZY: dict[str, str] = {
     "check_scope": "tfscale.scope",
     "fix_scope": "tfscale.scope",
     "track_variable_creation": "tfscale.scope",
-    "CheckpointConfig": "tfscale.training",
-    "Options": "tfscale.training",
-    "Trainer": "tfscale.training",
-    "fit": "tfscale.training",
-    "prepare": "tfscale.training",
-    "prepare_loop": "tfscale.training",
+    "CheckpointConfig": "tfscale.training.checkpoint",
+    "Options": "tfscale.training.options",
+    "Trainer": "tfscale.training.trainer",
+    "fit": "tfscale.training.fit",
+    "prepare": "tfscale.training.prepare",
+    "prepare_loop": "tfscale.training.loop",
     "PartitionPlan": "tfscale.parallel.partition",
     "plan_partition": "tfscale.parallel.partition",
     "place": "tfscale.parallel.placement",
@@ -99,17 +99,17 @@ def __dir__() -> list[str]:
 # TensorFlow is configured when it is imported (tfscale/tf_import.py), not by importing
 # tfscale: quiet in a process a tfscale command started quietly, and split into the logical
 # devices TFSCALE_VIRTUAL_DEVICES asks for (checked now, applied before TensorFlow starts).
-from tfscale import tf_import as _tf_import  # noqa: E402
+from tfscale.runtime import tf_import as _tf_import  # noqa: E402
 
 if os.environ.get("TFSCALE_VIRTUAL_DEVICES"):
-    from tfscale.virtual_devices import env_request as _env_request
+    from tfscale.devices.virtual import env_request as _env_request
 
     _env_request()  # a bad value fails here, at import tfscale
 
     def _apply_virtual_devices() -> None:
-        # Not tfscale.devices: it may be the module whose import of TensorFlow is running
+        # Not tfscale.devices.discovery: it may be the module whose import of TensorFlow is running
         # now; logical_devices imports TensorFlow only inside its functions (#21.4).
-        from tfscale.logical_devices import apply_env_virtual_devices
+        from tfscale.devices.logical import apply_env_virtual_devices
 
         apply_env_virtual_devices()
 

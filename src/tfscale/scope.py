@@ -33,9 +33,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfscale import internals
 from tfscale.errors import ScopeError, explain
-from tfscale.internals import compile_config_objects, variable_strategy
+from tfscale.interop import internals
+from tfscale.interop.internals import compile_config_objects, variable_strategy
 
 __all__ = [
     "VariableOrigin",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tfscale.chatter import is_chatter
+from tfscale.runtime.chatter import is_chatter
 from tfscale.testing import run_python
 
 pytestmark = pytest.mark.multiprocess

@@ -53,7 +53,7 @@ def test_launcher_imports_no_tensorflow() -> None:
         import tfscale.launch, tfscale.launch.supervisor, tfscale.launch.process
         import tfscale.launch.plan, tfscale.launch.local, tfscale.launch.ports
         import tfscale.launch.slurm, tfscale.launch.k8s, tfscale.launch.yamltext
-        import tfscale.launch.server, tfscale.cluster, tfscale.hostlist, tfscale.cli.launch
+        import tfscale.launch.server, tfscale.cluster, tfscale.cluster.hostlist, tfscale.cli.launch
         from tfscale.cli.main import build_parser
         build_parser().parse_args(["launch", "-n", "2", "x.py"])
         print(sorted(m for m in sys.modules if m.split(".")[0] in ("tensorflow", "keras")))

@@ -22,7 +22,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from tfscale.chatter import is_chatter
+from tfscale.runtime.chatter import is_chatter
 from tfscale.testing import groups_alive, mirrored_on_cpus, relative_difference
 
 # One worker runs this module (make test: --dist loadgroup), so its module fixture runs once.

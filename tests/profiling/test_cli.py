@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tfscale.chatter import is_chatter
 from tfscale.profiling.projection import interconnect, project
+from tfscale.runtime.chatter import is_chatter
 from tfscale.testing import run_python
 
 _SCRIPT = textwrap.dedent(

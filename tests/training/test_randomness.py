@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import tfscale
-from tfscale import internals
+from tfscale.interop import internals
 from tfscale.training.randomness import draw_per_replica
 
 from .helpers import strategy_for

@@ -21,7 +21,7 @@ import pytest
 import tensorflow as tf
 
 import tfscale
-from tfscale import internals
+from tfscale.interop import internals
 from tfscale.testing import relative_difference
 
 from .helpers import CLASSES, FEATURES, strategy_for, tiny_model

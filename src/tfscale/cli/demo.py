@@ -35,7 +35,7 @@ def _configure_devices() -> None:
     """Two logical CPUs when there is no GPU, so that the demo shows a real all-reduce."""
     import tensorflow as tf
 
-    from tfscale.devices import use_virtual_devices
+    from tfscale.devices.discovery import use_virtual_devices
 
     if os.environ.get("TFSCALE_VIRTUAL_DEVICES") or tf.config.list_physical_devices("GPU"):
         return
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     _configure_devices()
     _doctor_summary()
     from tfscale.strategy import choose_strategy
-    from tfscale.training import fit
+    from tfscale.training.fit import fit
     from tfscale.workloads import build_model, digits
 
     choice = choose_strategy()

@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from tfscale.devices import discover_devices
+    from tfscale.devices.discovery import discover_devices
 
     infos = discover_devices()
     if args.json:

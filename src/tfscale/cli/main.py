@@ -7,8 +7,9 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from tfscale import __version__, chatter, tf_import
+from tfscale import __version__
 from tfscale.errors import TfscaleError
+from tfscale.runtime import chatter, tf_import
 
 __all__ = ["build_parser", "main"]
 

@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from tfscale.errors import ProfileError, explain
+    from tfscale.processes.script_runner import check_script, run_in_child
     from tfscale.profiling.report import print_summary, write_report
     from tfscale.profiling.script import (
         ONE_REPLICA_ENV,
@@ -103,7 +104,6 @@ def run(args: argparse.Namespace) -> int:
         retried_while_crashing,
         script_report,
     )
-    from tfscale.script_runner import check_script, run_in_child
 
     first, stop = trace_window(args.trace_steps)
     if args.merge:
@@ -200,10 +200,12 @@ def _profile_workers(
     import os
     import tempfile
 
+    from tfscale.devices.virtual import ENV_VAR
     from tfscale.errors import ProfileError, explain
     from tfscale.launch.gpus import visible_gpus
     from tfscale.launch.local import log_path, run_local_job
     from tfscale.launch.plan import LocalJob
+    from tfscale.processes.script_runner import child_environment
     from tfscale.profiling.report import print_summary, write_report
     from tfscale.profiling.script import (
         TRACES_ENV,
@@ -214,8 +216,6 @@ def _profile_workers(
         read_workers,
         retried_while_crashing,
     )
-    from tfscale.script_runner import child_environment
-    from tfscale.virtual_devices import ENV_VAR
 
     if args.workers < 2:
         raise ProfileError(

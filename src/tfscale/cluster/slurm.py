@@ -113,7 +113,7 @@ def cluster_from_slurm(
             (rank out of range, tasks per node not matching the node list or task count);
             the message names the variable.
     """
-    from tfscale.hostlist import expand_hostlist, expand_tasks_per_node
+    from tfscale.cluster.hostlist import expand_hostlist, expand_tasks_per_node
 
     env = os.environ if env is None else env
     if not env.get("SLURM_PROCID", "").strip():

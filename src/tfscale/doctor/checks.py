@@ -12,8 +12,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tfscale.devices.visible import parse_visible_devices
 from tfscale.doctor.snapshot import Snapshot
-from tfscale.visible_devices import parse_visible_devices
 
 __all__ = [
     "CHECKS",

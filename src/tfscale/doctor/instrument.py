@@ -1,10 +1,10 @@
 """The child side of ``tfscale doctor --script``: runs a user's script under instrumentation.
 
 Run as ``python -m tfscale.doctor.instrument EVENTS_FILE SCRIPT [ARGS...]``. The script
-runs as ``__main__`` with its folder on ``sys.path`` (:func:`tfscale.script_runner.run_as_main`,
-shared with ``tfscale profile``) while three hooks append one JSON object per line
-to ``EVENTS_FILE``, flushed at once, so that a script killed by a timeout still leaves its
-findings behind:
+runs as ``__main__`` with its folder on ``sys.path``
+(:func:`tfscale.processes.script_runner.run_as_main`, shared with ``tfscale profile``) while
+three hooks append one JSON object per line to ``EVENTS_FILE``, flushed at once, so that a
+script killed by a timeout still leaves its findings behind:
 
 - ``variable``: every ``tf.Variable`` created in the main thread (Keras 3 variables
   included), with its creation site (``file:line``), the strategy whose scope was active,
@@ -30,9 +30,9 @@ device scope, the output tensors carry it (the actual device for eager tensors),
 reading it needs no parsing of TensorFlow's C++ log, which is not an interface.
 
 When ``TFSCALE_VIRTUAL_DEVICES`` is unset and TensorFlow sees no GPU, the CPU is split into
-2 logical devices before the script starts (:func:`tfscale.script_runner.split_cpu_when_alone`),
-so a ``MirroredStrategy()`` in the script gets 2 replicas and the report can show where each
-ran.
+2 logical devices before the script starts
+(:func:`tfscale.processes.script_runner.split_cpu_when_alone`), so a ``MirroredStrategy()``
+in the script gets 2 replicas and the report can show where each ran.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from tfscale.script_runner import CPU_SPLIT, run_as_main, split_cpu_when_alone
-from tfscale.strategy_hooks import watch_fits, watch_strategies
+from tfscale.interop.script_watch import watch_fits, watch_strategies
+from tfscale.processes.script_runner import CPU_SPLIT, run_as_main, split_cpu_when_alone
 
 __all__ = ["DEMO_VIRTUAL_DEVICES", "main"]
 
@@ -157,7 +157,7 @@ def _hook_loop_losses(log: _EventLog) -> None:
     device's update."""
     import tensorflow as tf
 
-    from tfscale import internals
+    from tfscale.interop import internals
     from tfscale.scope import creation_stack
 
     seen: set[tuple[str, ...]] = set()

@@ -3,7 +3,8 @@
 The user's script runs as ``__main__`` in a child process (its own TensorFlow runtime,
 bounded by a timeout, killed with its process group, dying with this process) under the
 instrumentation of :mod:`tfscale.doctor.instrument`, which appends events to a JSON-lines
-file. Running the script is :mod:`tfscale.script_runner`'s, shared with ``tfscale profile``.
+file. Running the script is :mod:`tfscale.processes.script_runner`'s, shared with
+``tfscale profile``.
 This parent imports no TensorFlow: it reads the events, gathers them into one frozen
 :class:`ScriptFindings` (:func:`summarize`, a pure function), and prints a table or JSON.
 
@@ -26,8 +27,8 @@ from rich.console import Console
 from rich.table import Table
 
 from tfscale.doctor.report import make_console
-from tfscale.internals import DEFAULT_STRATEGY_CLASS
-from tfscale.script_runner import check_script, run_in_child
+from tfscale.interop.internals import DEFAULT_STRATEGY_CLASS
+from tfscale.processes.script_runner import check_script, run_in_child
 
 __all__ = [
     "RunSeen",

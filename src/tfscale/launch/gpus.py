@@ -7,7 +7,7 @@ block of the GPUs this machine shows through its own ``CUDA_VISIBLE_DEVICES``::
     4 GPUs, -n 2:  worker 0 -> CUDA_VISIBLE_DEVICES=0,1   worker 1 -> CUDA_VISIBLE_DEVICES=2,3
 
 The GPUs this machine shows are those of ``CUDA_VISIBLE_DEVICES`` read as CUDA reads it
-(:mod:`tfscale.visible_devices`, the doctor's reading): ``-1``, ``abc``, ``0;1`` or an empty
+(:mod:`tfscale.devices.visible`, the doctor's reading): ``-1``, ``abc``, ``0;1`` or an empty
 value show none, so the workers train on CPUs; unset, every GPU ``nvidia-smi -L`` lists.
 """
 
@@ -17,9 +17,9 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from tfscale.devices.visible import read_visible_devices
 from tfscale.errors import LaunchError, explain
 from tfscale.processes import run
-from tfscale.visible_devices import read_visible_devices
 
 __all__ = ["assign_gpus", "parse_gpu_list", "visible_gpus"]
 

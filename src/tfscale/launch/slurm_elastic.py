@@ -27,8 +27,8 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
+from tfscale.cluster.hostlist import expand_hostlist
 from tfscale.cluster.notes import read_checkpoint_note
-from tfscale.hostlist import expand_hostlist
 from tfscale.launch.elastic import Drop, elastic_line, slot_to_drop
 
 __all__ = [

@@ -88,8 +88,8 @@ class _Job:
     def watch(self) -> None:
         """Hooks strategies once TensorFlow is imported, ``Model.fit`` and optimizer updates
         once Keras is (a script that never imports them, or trains nothing, is not judged)."""
-        from tfscale import tf_import
-        from tfscale.strategy_hooks import watch_strategies
+        from tfscale.interop.script_watch import watch_strategies
+        from tfscale.runtime import tf_import
 
         tf_import.on_import(lambda: watch_strategies(built=self.built))
         tf_import.on_keras_import(self.watch_fit)
@@ -114,7 +114,7 @@ class _Job:
     def watch_fit(self) -> None:
         import tensorflow as tf
 
-        from tfscale.strategy_hooks import watch_fits
+        from tfscale.interop.script_watch import watch_fits
 
         def called(model: Any, arguments: dict[str, Any]) -> None:
             if not tf.distribute.has_strategy() and model.distribute_strategy is (
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m tfscale.launch.worker SCRIPT|-m MODULE [ARGS...]", file=sys.stderr)
         return 2
     os.environ[STRICT_ENV] = "1"
-    from tfscale.script_runner import run_as_main
+    from tfscale.processes.script_runner import run_as_main
 
     job = _Job()
     job.watch()

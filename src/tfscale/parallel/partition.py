@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfscale.errors import PartitionError, explain
-from tfscale.internals import functional_nodes, inbound_nodes, node_key, tensor_producer
+from tfscale.interop.internals import functional_nodes, inbound_nodes, node_key, tensor_producer
 
 __all__ = [
     "LayerInfo",

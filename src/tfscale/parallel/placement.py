@@ -23,10 +23,10 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfscale.device_names import select_devices
+from tfscale.devices.names import select_devices
 from tfscale.errors import PartitionError, explain
-from tfscale.internals import backing_variable, reinitialize_variable, set_model_strategy
 from tfscale.interop import registry
+from tfscale.interop.internals import backing_variable, reinitialize_variable, set_model_strategy
 from tfscale.parallel.partition import PartitionPlan, chain_layers
 
 __all__ = ["PlacedModel", "move_weights", "place", "resolve_devices", "run_stage"]
@@ -37,7 +37,7 @@ def resolve_devices(devices: Sequence[str] | None) -> list[str]:
 
     Args:
         devices: Device names (``"/device:CPU:1"``, ``"GPU:0"``...), or None for every
-            logical GPU, else every logical CPU (:mod:`tfscale.device_names` decides).
+            logical GPU, else every logical CPU (:mod:`tfscale.devices.names` decides).
 
     Returns:
         Fully qualified logical device names, in the order given.

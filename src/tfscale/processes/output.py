@@ -11,7 +11,7 @@ import sys
 import threading
 from typing import IO
 
-from tfscale import chatter
+from tfscale.runtime import chatter
 
 __all__ = ["start_prefixing"]
 

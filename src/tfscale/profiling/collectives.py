@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tfscale.internals import cross_device_ops
+from tfscale.interop.internals import cross_device_ops
 from tfscale.profiling import metrics
 
 __all__ = ["DEFAULT_SIZES", "CollectiveResult", "benchmark_allreduce"]

@@ -12,8 +12,8 @@ distributed-training tutorial, and most multi-GPU answers)::
 
 ``strategy.run`` runs in Python only while the function is traced, so the step is found
 there: every eager call of a ``tf.function`` is watched (:func:`watch_loop_steps` wraps
-``Function.__call__``, reached through :mod:`tfscale.internals`), and a function whose trace
-called ``strategy.run`` (``strategy_hooks.watch_strategies``) is a step function from then on;
+``Function.__call__``, reached through :mod:`tfscale.interop.internals`), and a function whose trace
+called ``strategy.run`` (``script_watch.watch_strategies``) is a step function from then on;
 each of its calls is one step. The time between the end of one step and the start of the next
 is the loop fetching its next batch (``for batch in dist_dataset``): it counts as input
 wait. Keras's and tfscale's own train functions (``model.fit``, ``tfscale.fit``, which
@@ -158,8 +158,8 @@ def watch_loop_steps(
     """
     import tensorflow as tf
 
-    from tfscale.internals import tf_function_class
-    from tfscale.strategy_hooks import watch_strategies
+    from tfscale.interop.internals import tf_function_class
+    from tfscale.interop.script_watch import watch_strategies
 
     function_class = tf_function_class()
     calls = _Calls()

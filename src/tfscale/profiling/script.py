@@ -2,7 +2,7 @@
 
 ``keras.Model.fit`` is wrapped so that every call gets a :class:`ProfileCallback` (with a
 trace window) added to its callbacks; the script then runs as ``doctor --script`` runs it
-(:mod:`tfscale.script_runner`: as ``__main__`` with its own arguments, its folder on
+(:mod:`tfscale.processes.script_runner`: as ``__main__`` with its own arguments, its folder on
 ``sys.path``, the CPU split into 2 logical devices where there is no GPU and no layout was
 asked), and the callbacks' summaries are written as JSON when it ends, however it ends.
 """
@@ -16,11 +16,11 @@ import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from tfscale.internals import dataset_batch_size
 from tfscale.interop import registry
+from tfscale.interop.internals import dataset_batch_size
+from tfscale.interop.script_watch import watch_fits
+from tfscale.processes.script_runner import run_as_main, split_cpu_when_alone
 from tfscale.profiling.timeline import traced
-from tfscale.script_runner import run_as_main, split_cpu_when_alone
-from tfscale.strategy_hooks import watch_fits
 
 __all__ = [
     "TRACES_ENV",
@@ -182,7 +182,7 @@ def batch_size_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
 def _one_replica() -> None:
     """The reference run's layout: one device (the first GPU, or the whole CPU), and every
     ``MirroredStrategy`` the script builds placed on it, whatever devices it names."""
-    from tfscale.virtual_devices import ENV_KIND_VAR, ENV_VAR
+    from tfscale.devices.virtual import ENV_KIND_VAR, ENV_VAR
 
     os.environ[ENV_VAR] = "1"  # before TensorFlow starts: one CPU device
     os.environ.pop(ENV_KIND_VAR, None)
@@ -202,12 +202,16 @@ def _one_replica() -> None:
     registry.install("script-watch", tf.distribute.MirroredStrategy, "__init__", one_device)
 
 
+_FIT_MODULE = "tfscale.training.fit"
+
+
 def _hook_fits(make: Callable[[int | None], Any]) -> Callable[[], None]:
     """Adds ``make(batch)`` to the callbacks of every ``keras.Model.fit`` and ``tfscale.fit``
     call (one per call: a ``model.fit`` inside ``tfscale.fit`` gets none of its own, the
     outer call knows the batch the user asked for). Returns the undo."""
+    import importlib
+
     import tfscale
-    import tfscale.training
 
     inside = [0]
 
@@ -235,7 +239,10 @@ def _hook_fits(make: Callable[[int | None], Any]) -> Callable[[], None]:
     undoes = [
         watch_fits(called),
         registry.install("script-watch", tfscale, "fit", watch),
-        registry.install("script-watch", tfscale.training, "fit", watch),
+        # tfscale.fit and the function it is (training/fit.py), however the script names it.
+        registry.install(
+            "script-watch", importlib.import_module("tfscale.training.fit"), "fit", watch
+        ),
     ]
 
     def undo() -> None:

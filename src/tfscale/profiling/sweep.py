@@ -75,9 +75,9 @@ def replica_limit(kind: str, physical: int) -> int:
     the step splits (the default sweep 1,2,4 on a 2-core machine), many measure only
     contention, and a large count makes every configuration run for minutes. The limit is
     the larger of 4 and the physical count, and at most 64, tfscale's cap on logical devices
-    (:data:`~tfscale.virtual_devices.MAX_VIRTUAL_DEVICES`).
+    (:data:`~tfscale.devices.virtual.MAX_VIRTUAL_DEVICES`).
     """
-    from tfscale.virtual_devices import MAX_VIRTUAL_DEVICES
+    from tfscale.devices.virtual import MAX_VIRTUAL_DEVICES
 
     return min(MAX_VIRTUAL_DEVICES, max(4, physical))
 
@@ -119,7 +119,7 @@ def ensure_devices(count: int, *, cluster: bool = False) -> tuple[str, int]:
     """
     import tensorflow as tf
 
-    from tfscale.devices import use_virtual_devices
+    from tfscale.devices.discovery import use_virtual_devices
     from tfscale.errors import DeviceConfigError
 
     gpus = tf.config.list_physical_devices("GPU")

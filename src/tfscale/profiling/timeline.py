@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tfscale.errors import ProfileError, explain
-from tfscale.internals import xplane_pb2
+from tfscale.interop.internals import xplane_pb2
 from tfscale.profiling.metrics import shares
 
 __all__ = [

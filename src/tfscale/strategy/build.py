@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from tfscale.cluster import ClusterConfig
 from tfscale.errors import StrategyError, explain
-from tfscale.internals import (
+from tfscale.interop.internals import (
     context_initialized,
     context_started,
     coordination_config_pb2,

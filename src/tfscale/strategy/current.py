@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tfscale import internals
+from tfscale.interop import internals
 
 __all__ = ["num_workers", "strategy_in_effect"]
 

@@ -14,7 +14,7 @@ from types import MappingProxyType
 from typing import Any
 
 from tfscale.cluster import ClusterConfig, cluster_from_env, worker_device_kinds
-from tfscale.device_names import normalize_device
+from tfscale.devices.names import normalize_device
 
 __all__ = ["StrategyFacts", "gather_facts", "normalize_device"]
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tfscale.cluster import ClusterConfig
-from tfscale.device_names import default_devices, select_devices
+from tfscale.devices.names import default_devices, select_devices
 from tfscale.errors import ClusterConfigError, DeviceConfigError, StrategyError, explain
 from tfscale.strategy.facts import StrategyFacts
 

@@ -1,11 +1,11 @@
 """Which devices a pool's workers run on, and how a worker process is pinned to one.
 
-Which devices a request means is decided by :mod:`tfscale.device_names` (``devices=None``:
+Which devices a request means is decided by :mod:`tfscale.devices.names` (``devices=None``:
 every logical GPU, else every logical CPU device), as for ``choose_strategy`` and
 ``pipeline``. A worker process for GPU ``k`` sees only that GPU through
 ``CUDA_VISIBLE_DEVICES`` (so inside it the GPU is ``/device:GPU:0``): the ``k``-th GPU this
 process sees, read from its own ``CUDA_VISIBLE_DEVICES`` as CUDA reads it
-(:mod:`tfscale.visible_devices`, shared with the doctor and the launcher). A worker process
+(:mod:`tfscale.devices.visible`, shared with the doctor and the launcher). A worker process
 for a CPU device sees no GPU at all.
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from tfscale.device_names import default_devices, device_kind, normalize_device, select_devices
+from tfscale.devices.names import default_devices, device_kind, normalize_device, select_devices
+from tfscale.devices.visible import ENV_VAR, read_visible_devices
 from tfscale.errors import DeviceConfigError, explain
-from tfscale.visible_devices import ENV_VAR, read_visible_devices
 
 __all__ = ["child_environment", "default_devices", "local_device", "normalize", "resolve_devices"]
 

@@ -1,19 +1,36 @@
-"""``tfscale.fit``, ``tfscale.prepare`` and ``Trainer``: Keras's training loop, correct under
-every strategy."""
+"""``tfscale.fit``, ``tfscale.prepare``, ``prepare_loop`` and ``Trainer``: Keras's training
+loop, correct under every strategy; ``memory/``, what a training step holds per device.
 
-from tfscale.training.checkpoint import CheckpointConfig
-from tfscale.training.fit import fit
-from tfscale.training.loop import prepare_loop
-from tfscale.training.options import Options
-from tfscale.training.prepare import prepare
-from tfscale.training.trainer import StepTiming, Trainer
+Its names load on first use (PEP 562), as ``tfscale``'s do: the memory plan's pure modules
+(``memory/plan.py``, ``liveness.py``, ``report.py``) import without Keras or TensorFlow.
+"""
 
-__all__ = [
-    "CheckpointConfig",
-    "Options",
-    "StepTiming",
-    "Trainer",
-    "fit",
-    "prepare",
-    "prepare_loop",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "CheckpointConfig": "tfscale.training.checkpoint",
+    "Options": "tfscale.training.options",
+    "StepTiming": "tfscale.training.trainer",
+    "Trainer": "tfscale.training.trainer",
+    "fit": "tfscale.training.fit",
+    "prepare": "tfscale.training.prepare",
+    "prepare_loop": "tfscale.training.loop",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tfscale.training' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

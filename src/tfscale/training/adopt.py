@@ -17,9 +17,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfscale import internals
 from tfscale.errors import TrainingError, explain
-from tfscale.interop import registry
+from tfscale.interop import internals, registry
 from tfscale.training.randomness import draw_per_replica
 
 __all__ = [

@@ -26,9 +26,9 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfscale import internals
 from tfscale.cluster.notes import REPORT_ENV, CheckpointNote, write_checkpoint_note
 from tfscale.errors import TrainingError, explain
+from tfscale.interop import internals
 from tfscale.training.adopt import all_variables
 from tfscale.training.memory.oom import note_checkpoints
 from tfscale.training.prepare import prepared

@@ -47,8 +47,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfscale import internals
 from tfscale.errors import TrainingError, explain
+from tfscale.interop import internals
 from tfscale.training.adopt import adopt
 from tfscale.training.options import Entry, Options, option_fields, spec
 

@@ -31,7 +31,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfscale import internals
+from tfscale.interop import internals
 from tfscale.strategy.current import num_workers
 
 __all__ = [

@@ -41,8 +41,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfscale import internals
 from tfscale.errors import TrainingError, explain
+from tfscale.interop import internals
 from tfscale.strategy.current import num_workers
 from tfscale.training.layercalls import layer_calls
 from tfscale.training.memory.oom import is_out_of_memory, out_of_memory_error

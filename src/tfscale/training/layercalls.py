@@ -13,8 +13,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tfscale import internals
-from tfscale.interop import registry
+from tfscale.interop import internals, registry
 
 __all__ = ["layer_calls"]
 

@@ -37,9 +37,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfscale import internals
 from tfscale.errors import TrainingError, explain
-from tfscale.interop import registry
+from tfscale.interop import internals, registry
 from tfscale.training import conventions, turns
 from tfscale.training.adopt import adopt, keras_accumulation_steps
 from tfscale.training.conventions import DECLARED, Declared, Weighting

@@ -34,8 +34,7 @@ from typing import Any, Protocol
 
 import keras
 
-from tfscale import internals
-from tfscale.interop import registry
+from tfscale.interop import internals, registry
 
 __all__ = ["State", "give_prepared_class", "model_class", "prepared_class", "state_of"]
 

@@ -49,9 +49,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfscale import internals
 from tfscale.errors import TrainingError, explain
-from tfscale.interop import registry
+from tfscale.interop import internals, registry
 from tfscale.training import xla
 from tfscale.training.adopt import wrapped_optimizers
 from tfscale.training.allreduce import all_reduce_packed

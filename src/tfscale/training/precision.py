@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tfscale import internals
 from tfscale.errors import TrainingError, explain
+from tfscale.interop import internals
 
 __all__ = ["Precision", "apply_policy", "resolve_precision"]
 

@@ -33,10 +33,9 @@ from typing import Any, Protocol
 import keras
 import tensorflow as tf
 
-from tfscale import internals
 from tfscale.errors import TfscaleError, TrainingError, explain
-from tfscale.interop import registry
-from tfscale.strategy_hooks import call_by_name
+from tfscale.interop import internals, registry
+from tfscale.interop.script_watch import call_by_name
 from tfscale.training.adopt import adopt, has_call, keras_accumulation_steps, model_optimizers
 from tfscale.training.callbacks import guarded, halt_released
 from tfscale.training.checks import check_batched

@@ -25,8 +25,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tfscale import internals
-from tfscale.interop import registry
+from tfscale.interop import internals, registry
 
 __all__ = ["draw_per_replica"]
 

@@ -58,9 +58,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfscale import internals
 from tfscale.errors import TrainingError, explain
-from tfscale.interop import registry
+from tfscale.interop import internals, registry
 
 __all__ = [
     "ShardedState",

@@ -43,8 +43,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tfscale import internals
-from tfscale.interop import registry
+from tfscale.interop import internals, registry
 
 __all__ = ["take_turns", "turn"]
 

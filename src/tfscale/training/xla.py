@@ -39,8 +39,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfscale import internals
 from tfscale.errors import TrainingError, explain
+from tfscale.interop import internals
 from tfscale.training.adopt import has_call
 
 __all__ = ["check_compilable", "compiled_step", "defer", "xla_error"]

@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from tfscale.device_names import default_devices, normalize_device
+from tfscale.devices.names import default_devices, normalize_device
 from tfscale.errors import TaskError, explain
 from tfscale.tasks.backends.base import Backend, Call, Runner, TimedOutError, WorkerLostError
 from tfscale.tasks.placement import local_device

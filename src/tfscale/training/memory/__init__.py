@@ -69,7 +69,7 @@ def plan_memory(
         plan = tfscale.plan_memory(model, 64, strategy=choice.strategy)
         print("\\n".join(plan.table()))
     """
-    from tfscale.device_names import device_kind
+    from tfscale.devices.names import device_kind
     from tfscale.training.memory.facts import model_facts
     from tfscale.training.memory.plan import make_plan
     from tfscale.training.memory.targets import device_capacities, plan_devices

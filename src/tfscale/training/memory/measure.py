@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from tfscale.device_names import device_kind, normalize_device
+from tfscale.devices.names import device_kind, normalize_device
 
 __all__ = [
     "MeasuredPeak",

@@ -6,7 +6,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from tfscale.device_names import device_kind, normalize_device
+from tfscale.devices.names import device_kind, normalize_device
 from tfscale.training.memory.measure import cpu_bfc_enabled
 
 __all__ = ["cpu_bfc_limit", "device_capacities", "plan_devices"]
@@ -43,7 +43,7 @@ def device_capacities(devices: Sequence[str]) -> tuple[int | None, ...]:
     """Each device's memory where known (``discover_devices``): a logical GPU's limit, else
     its physical GPU's total; for CPUs, which share one allocator, an equal share of its
     limit (``TF_CPU_BFC_MEM_LIMIT_IN_MB``) or of the host's memory."""
-    from tfscale.devices import discover_devices
+    from tfscale.devices.discovery import discover_devices
 
     infos = discover_devices()
     physical = {

@@ -2,16 +2,16 @@
 
 The import hook (``tf_import.py``) calls :func:`apply_env_virtual_devices` the moment
 TensorFlow has finished importing, and that moment may come while any tfscale module is
-itself importing TensorFlow (``tfscale.devices``, ``tfscale.strategy``, ...). So this module
-imports TensorFlow only inside its functions and imports no tfscale module that imports it:
-the hook never re-enters a module that is half imported, whichever module the first
-``import tensorflow`` came from. ``tfscale.devices`` re-exports its public names.
+itself importing TensorFlow (``tfscale.devices.discovery``, ``tfscale.strategy``, ...). So
+this module imports TensorFlow only inside its functions and imports no tfscale module that
+imports it: the hook never re-enters a module that is half imported, whichever module the first
+``import tensorflow`` came from. ``tfscale.devices.discovery`` re-exports its public names.
 """
 
 from __future__ import annotations
 
+from tfscale.devices.virtual import ENV_VAR, check_request, env_request
 from tfscale.errors import DeviceConfigError, explain
-from tfscale.virtual_devices import ENV_VAR, check_request, env_request
 
 __all__ = ["apply_env_virtual_devices", "nvml_memory_bytes", "use_virtual_devices"]
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-from tfscale import chatter
+from tfscale.runtime import chatter
 
 __all__ = ["on_import", "on_keras_import"]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from tfscale.cluster.hostlist import expand_hostlist, expand_tasks_per_node
 from tfscale.errors import ClusterConfigError
-from tfscale.hostlist import expand_hostlist, expand_tasks_per_node
-from tfscale.internals import slurm_cluster_resolver_module
+from tfscale.interop.internals import slurm_cluster_resolver_module
 
 _CASES = [
     ("node01", ["node01"]),

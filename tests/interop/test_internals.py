@@ -1,9 +1,9 @@
-"""One test per private Keras/TensorFlow name tfscale uses (``tfscale.internals``).
+"""One test per private Keras/TensorFlow name tfscale uses (``tfscale.interop.internals``).
 
 Each test runs its accessor on real Keras/TensorFlow objects. When an upgrade removes or
 renames the name, the test fails saying which name, which accessor and which tfscale code
 needs a new way to do it, so that an upgrade is a one-file job. A scan checks that nothing
-outside ``internals.py`` reaches a private name.
+outside ``interop/internals.py`` reaches a private name.
 """
 
 from __future__ import annotations
@@ -19,13 +19,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfscale import internals
-from tfscale.interop import registry
+from tfscale.interop import internals, registry
 from tfscale.testing import mirrored_on_cpus
 
 pytestmark = pytest.mark.tf
 
-_SRC = Path(__file__).resolve().parents[1] / "src" / "tfscale"
+_SRC = Path(__file__).resolve().parents[2] / "src" / "tfscale"
 
 
 def _require(owner: Any, name: str, accessor: str, used_by: str) -> None:
@@ -34,7 +33,7 @@ def _require(owner: Any, name: str, accessor: str, used_by: str) -> None:
         pytest.fail(
             f"{type(owner).__name__ if not isinstance(owner, type) else owner.__name__}.{name} "
             f"is gone (Keras {keras.__version__}, TensorFlow {tf.__version__}): "
-            f"tfscale.internals.{accessor} needs another way; {used_by} depends on it."
+            f"tfscale.interop.internals.{accessor} needs another way; {used_by} depends on it."
         )
 
 
@@ -85,7 +84,7 @@ def test_functional_graph_accessors() -> None:
     (node,) = internals.inbound_nodes(out)
     assert internals.node_key(out, 0) in nodes, (
         "Keras no longer keys a model's nodes as f'{id(op)}_ib-{index}': "
-        "tfscale.internals.node_key needs the new format (parallel.partition)"
+        "tfscale.interop.internals.node_key needs the new format (parallel.partition)"
     )
     (tensor,) = node.input_tensors
     _require(tensor, "_keras_history", "tensor_producer", "parallel.partition")
@@ -114,7 +113,8 @@ def test_default_strategy_class_name() -> None:
     name = type(tf.distribute.get_strategy()).__name__
     assert name == internals.DEFAULT_STRATEGY_CLASS, (
         f"TensorFlow's default strategy is now {name!r}: update "
-        "tfscale.internals.DEFAULT_STRATEGY_CLASS (doctor --script tells it from the user's)"
+        "tfscale.interop.internals.DEFAULT_STRATEGY_CLASS (doctor --script tells it from the "
+        "user's)"
     )
 
 
@@ -544,7 +544,7 @@ def test_autograph_origin_maps_generated_code_to_the_users_line() -> None:
     if seen[0] is None:
         pytest.fail(
             "AutoGraph's ag_source_map is gone or changed (TensorFlow "
-            f"{tf.__version__}): tfscale.internals.autograph_origin needs another way; "
+            f"{tf.__version__}): tfscale.interop.internals.autograph_origin needs another way; "
             "scope.creation_stack (doctor --script's sites in tf.function steps) depends on it."
         )
     filename, number, function = seen[0]
@@ -1028,7 +1028,7 @@ def test_no_private_keras_or_tensorflow_name_outside_internals() -> None:
     found = []
     for path in sorted(_SRC.rglob("*.py")):
         relative = path.relative_to(_SRC).as_posix()
-        if relative == "internals.py":
+        if relative in ("interop/internals.py", "interop/registry.py"):
             continue
         found += [f"{relative}: {use}" for use in _private_uses(path)]
-    assert found == [], "move these into tfscale/internals.py (one accessor + one test each)"
+    assert found == [], "move these into tfscale/interop/internals.py (an accessor and a test each)"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from tfscale.logical_devices import (
+from tfscale.devices.logical import (
     apply_env_virtual_devices,
     nvml_memory_bytes,
     use_virtual_devices,

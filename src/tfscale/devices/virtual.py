@@ -1,7 +1,8 @@
 """What a request for logical devices may ask, and what ``TFSCALE_VIRTUAL_DEVICES`` asks.
 
 TensorFlow-free, so that ``import tfscale`` checks the variable at once and configures the
-devices only when TensorFlow is imported (``tf_import.py``); ``devices.py`` applies them.
+devices only when TensorFlow is imported (``runtime/tf_import.py``); ``devices/logical.py``
+applies them.
 """
 
 from __future__ import annotations

@@ -159,8 +159,8 @@ def split_cpu_when_alone() -> DeviceLayout:
     """
     import tensorflow as tf
 
-    from tfscale.devices import use_virtual_devices
-    from tfscale.virtual_devices import ENV_VAR
+    from tfscale.devices.discovery import use_virtual_devices
+    from tfscale.devices.virtual import ENV_VAR
 
     requested = os.environ.get(ENV_VAR, "").strip()
     gpus = len(tf.config.list_physical_devices("GPU"))

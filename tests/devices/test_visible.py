@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 
 from doctor import fakes  # tests/doctor (pytest puts tests/ on sys.path)
+from tfscale.devices.visible import parse_visible_devices
 from tfscale.doctor import checks
 from tfscale.errors import DeviceConfigError
 from tfscale.launch.gpus import assign_gpus, visible_gpus
 from tfscale.tasks.placement import child_environment
-from tfscale.visible_devices import parse_visible_devices
 
 _MACHINE = fakes.four_gpus()
 _GPUS = _MACHINE.driver_gpus

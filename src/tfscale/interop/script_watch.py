@@ -13,8 +13,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from tfscale.internals import DEFAULT_STRATEGY_CLASS
 from tfscale.interop import registry
+from tfscale.interop.internals import DEFAULT_STRATEGY_CLASS
 
 __all__ = ["call_by_name", "watch_fits", "watch_strategies"]
 

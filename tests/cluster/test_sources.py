@@ -27,7 +27,7 @@ _ENVS = Path(__file__).parent / "data" / "cluster_envs"
 
 
 def _recorded(name: str) -> dict[str, str]:
-    """An environment as `env` prints it (tests/data/cluster_envs/README.md)."""
+    """An environment as `env` prints it (tests/cluster/data/cluster_envs/README.md)."""
     lines = (_ENVS / name).read_text().splitlines()
     return dict(line.split("=", 1) for line in lines if line.strip())
 
