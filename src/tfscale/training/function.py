@@ -275,31 +275,29 @@ class StepFunction:
         )
 
     def _loop_of_steps(self, iterator: Any, limit: tf.Tensor) -> tuple[tf.Tensor, Any]:
-        """Up to ``limit`` steps in one while loop whose state is the step count and the next
-        batch (an optional, empty at the end of the data): the step is traced once (its logs,
-        the metrics, are read after the loop), in the loop's body itself, as Keras's own
-        ``multi_step_on_iterator`` does. A step inside a ``tf.cond`` on the batch's presence
-        cost a small model's fit about 0.1 CPU-s more to trace and instantiate (2 replicas).
-        A step whose outputs must leave the loop is traced twice by ``_multi_step`` instead:
-        once for the first step, whose outputs give the loop's structure, and once in the
-        loop."""
+        """Up to ``limit`` steps in one while loop whose only state is the step count: the
+        step is traced once (its logs, the metrics, are read after the loop). A step whose
+        outputs must leave the loop is traced twice by ``_multi_step`` instead: once for the
+        first step, whose outputs give the loop's structure, and once in the loop."""
 
-        def more(count: tf.Tensor, optional: Any) -> tf.Tensor:
-            return tf.logical_and(count < limit, optional.has_value())
+        def more(count: tf.Tensor, going: tf.Tensor) -> tf.Tensor:
+            return tf.logical_and(going, count < limit)
 
-        def body(count: tf.Tensor, optional: Any) -> tuple[tf.Tensor, Any]:
-            outputs = self._one_step(optional.get_value())
-            if tf.nest.flatten(outputs):  # the metrics are returned as {}: not carried
-                raise AssertionError(
-                    "Keras's own step returned more than the model's metrics, which "
-                    f"StepFunction._step_returns_metrics assumes it does not: {outputs}"
-                )
-            # The next batch is read only where another step is due: a batch read past the
-            # call's last step would be lost to the next call.
-            following = tf.cond(count + 1 < limit, iterator.get_next_as_optional, lambda: optional)
-            return count + 1, following
+        def body(count: tf.Tensor, going: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+            optional = iterator.get_next_as_optional()
 
-        done, _ = tf.while_loop(more, body, (tf.constant(0), iterator.get_next_as_optional()))
+            def step() -> tuple[tf.Tensor, tf.Tensor]:
+                outputs = self._one_step(optional.get_value())
+                if tf.nest.flatten(outputs):  # the metrics are returned as {}: not carried
+                    raise AssertionError(
+                        "Keras's own step returned more than the model's metrics, which "
+                        f"StepFunction._step_returns_metrics assumes it does not: {outputs}"
+                    )
+                return count + 1, tf.constant(True)
+
+            return tf.cond(optional.has_value(), step, lambda: (count, tf.constant(False)))
+
+        done, _ = tf.while_loop(more, body, (tf.constant(0), tf.constant(True)))
         return done, self._logs({})
 
     def _steps_on_batches(self, batches: tuple[Any, ...]) -> Any:
