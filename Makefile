@@ -7,7 +7,7 @@ EXTRA := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo gpu || echo 
 # ray: the TaskPool's Ray backend is tested, not skipped (tests/tasks/test_taskpool_ray.py).
 EXTRAS := $(EXTRA),dev,ray
 
-.PHONY: demo test test-lowest test-next check quick lint unit venv clean bench
+.PHONY: demo test test-full test-lowest test-next check quick lint unit venv clean bench
 
 # uv installs what pip would (the same resolution from PyPI), downloading and unpacking in
 # parallel: 22 s from an empty cache against 38-58 s for pip, a fresh clone's first half minute.
@@ -54,13 +54,21 @@ check: lint
 # The middle tier: everything but the slow tests (launched jobs, worker processes, the
 # parity suite, benchmarks' harness), on both cores.
 quick: venv
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not slow"
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not slow and not full"
 
 # Two pytest processes (both cores), tests handed out one by one as a process frees up
 # (--dist loadgroup): TensorFlow starts once per process, and a module whose tests share a
 # module fixture (launched jobs, the Slurm cluster) says so with xdist_group and stays in one.
+# The `full` tests (more variants of what a `make test` test already covers: tests/README.md)
+# run in `make test-full`.
 unit: venv
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not full"
+
+# Everything `make test` leaves out (marked `full`, each naming its `make test` equivalent):
+# the other elastic inputs, seed scripts and 2-worker parity cases, the doctor docs' repeated
+# runs. `.ci/run` runs it after `make test`.
+test-full: venv
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m full
 
 # Lint runs beside the suite, at a lower priority: mypy and ruff take one core for about half a
 # minute, which the suite leaves idle while it waits (launched jobs, the Slurm cluster's tasks).

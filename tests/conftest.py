@@ -95,6 +95,51 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None
 
 
+def tier_problems(items: list[pytest.Item]) -> list[str]:
+    """What is wrong with the ``full`` marks among ``items`` (every test collected, before
+    ``-m`` deselects any): each ``full`` test names, as its marker's arguments, at least one
+    node id of a ``make test`` test covering the same code path, which must exist and not be
+    ``full`` itself. An equivalent in a file this session did not collect (one file run
+    alone) is judged by its file only."""
+    ids = {item.nodeid: item for item in items}
+    files = {nodeid.split("::")[0] for nodeid in ids}
+    problems = []
+    for item in items:
+        for mark in item.iter_markers("full"):
+            if not mark.args or not all(isinstance(a, str) for a in mark.args) or mark.kwargs:
+                problems.append(
+                    f"{item.nodeid}: pytest.mark.full needs the node ids of its `make test` "
+                    f"equivalents as arguments, got args={mark.args!r} kwargs={mark.kwargs!r}"
+                )
+                continue
+            for equivalent in mark.args:
+                file = equivalent.split("::")[0]
+                if file not in files:
+                    if not (item.config.rootpath / file).is_file():
+                        problems.append(f"{item.nodeid}: no file {file} for {equivalent}")
+                    continue
+                found = ids.get(equivalent)
+                if found is None:
+                    problems.append(
+                        f"{item.nodeid}: its `make test` equivalent {equivalent} does not exist"
+                    )
+                elif found.get_closest_marker("full") is not None:
+                    problems.append(
+                        f"{item.nodeid}: its equivalent {equivalent} is `full` too: name a "
+                        "test that `make test` runs"
+                    )
+    return problems
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Refuses the session where a ``full`` test lacks its ``make test`` equivalent
+    (:func:`tier_problems`); first, so that ``-m`` has not deselected the equivalents yet."""
+    problems = tier_problems(items)
+    if problems:
+        raise pytest.UsageError("test tiers:\n" + "\n".join(problems))
+
+
 # What the marker gates refused since the test began, as (marker, what): code that catches a
 # refusal (a probe that records its failure) would go on without TensorFlow or without its
 # child process, and pass or fail by which test ran before it in its process. The test fails

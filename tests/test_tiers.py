@@ -37,7 +37,7 @@ def _pytest(folder: Path, *args: str) -> tuple[int, str]:
 def _suite(folder: Path, files: dict[str, str]) -> Path:
     (folder / "conftest.py").write_text(_CONFTEST)
     (folder / "pytest.ini").write_text(
-        "[pytest]\nmarkers =\n    tf: t\n    multiprocess: m\n    slow: s\n"
+        "[pytest]\nmarkers =\n    tf: t\n    multiprocess: m\n    slow: s\n    full: f\n"
     )
     for name, text in files.items():
         (folder / name).write_text(textwrap.dedent(text))
@@ -137,3 +137,64 @@ def test_a_group_of_tests_runs_in_one_process_under_loadgroup(tmp_path: Path) ->
     assert len(ran) == 6, out
     workers = set(ran)
     assert len(workers) == 1, f"the group ran on {sorted(workers)} (pytest-dev/pytest-xdist#1386)"
+
+
+def test_full_tests_leave_make_test_and_each_names_an_equivalent_it_runs(tmp_path: Path) -> None:
+    tests = """
+        import pytest
+
+        def test_kept():
+            pass
+
+        @pytest.mark.full("test_full.py::test_kept")
+        def test_moved():
+            pass
+
+        @pytest.mark.parametrize(
+            "kind", ["a", pytest.param("b", marks=pytest.mark.full("test_full.py::test_p[a]"))]
+        )
+        def test_p(kind):
+            pass
+    """
+    suite = _suite(tmp_path, {"test_full.py": tests})
+    status, out = _pytest(suite, "-m", "not full")  # make test
+    assert status == 0 and "PASSED test_full.py::test_p[a]" in out, out
+    assert "test_moved" not in out and "test_p[b]" not in out, out
+    assert out.rstrip().splitlines()[-1].startswith("2 passed, 2 deselected in "), out
+    status, out = _pytest(suite, "-m", "full")  # make test-full
+    assert status == 0 and out.rstrip().splitlines()[-1].startswith("2 passed, 2 deselected"), out
+    assert "PASSED test_full.py::test_moved" in out and "PASSED test_full.py::test_p[b]" in out
+
+
+@pytest.mark.parametrize(
+    ("mark", "says"),
+    [
+        (
+            'full("test_broken.py::test_gone")',
+            "equivalent test_broken.py::test_gone does not exist",
+        ),
+        (
+            'full("test_broken.py::test_other")',
+            "equivalent test_broken.py::test_other is `full` too",
+        ),
+        ('full("test_elsewhere.py::test_x")', "no file test_elsewhere.py"),
+        ("full", "pytest.mark.full needs the node ids of its `make test` equivalents"),
+    ],
+)
+def test_a_full_test_without_a_make_test_equivalent_stops_the_session(
+    tmp_path: Path, mark: str, says: str
+) -> None:
+    tests = f"""
+        import pytest
+
+        @pytest.mark.{mark}
+        def test_moved():
+            pass
+
+        @pytest.mark.full("test_broken.py::test_moved")
+        def test_other():
+            pass
+    """
+    suite = _suite(tmp_path, {"test_broken.py": tests})
+    status, out = _pytest(suite, "-m", "not full")
+    assert status != 0 and "test_broken.py::test_moved: " in out and says in out, out

@@ -5,7 +5,10 @@ command line's own entry point (the script ones start their instrumented child);
 comment says ``# exit N``, that is the status it must return. ``--json`` output must parse.
 The runs of the examples are also where their findings are checked (``_SHOWS``: the variables
 built outside the scope named with file and line, the replica devices, the repair), so that
-each example runs once; ``test_script.py`` checks the rest of ``doctor --script``.
+each example runs once; ``test_script.py`` checks the rest of ``doctor --script``. An example
+the docs run more than once (other options: ``--epochs``, ``--timeout``, which
+``test_cli.py`` and ``test_script.py`` check on their own children) runs once in ``make
+test``, in its command with findings to check; its other commands are ``full``.
 """
 
 from __future__ import annotations
@@ -104,13 +107,33 @@ def test_the_docs_show_the_doctor_commands_this_test_runs() -> None:
     # A doc edit that changes one of these commands must move its checks with it.
     assert set(_SHOWS) <= {" ".join(argv) for _, argv, _ in COMMANDS}
     for _, argv, _ in COMMANDS:
-        if "--script" in argv:  # a real file: an example of the repository
-            assert (ROOT / argv[argv.index("--script") + 1]).is_file(), argv
+        if (script := _script(argv)) is not None:  # a real file: an example of the repository
+            assert (ROOT / script).is_file(), argv
 
 
-@pytest.mark.parametrize(
-    ("doc", "argv", "status"), COMMANDS, ids=[" ".join(argv) for _, argv, _ in COMMANDS]
-)
+def _script(argv: list[str]) -> str | None:
+    return argv[argv.index("--script") + 1] if "--script" in argv else None
+
+
+def _command_id(argv: list[str]) -> str:
+    return " ".join(argv)
+
+
+def _param(doc: str, argv: list[str], status: int | None) -> object:
+    """The command as a parameter; ``full`` where the `make test` run of another command (one
+    in ``_SHOWS``) starts the same example."""
+    script = _script(argv)
+    checked = [command for command in _SHOWS if script is not None and f" {script}" in command]
+    if not checked or _command_id(argv) in _SHOWS:
+        return pytest.param(doc, argv, status, id=_command_id(argv))
+    equivalent = f"tests/doctor/test_docs.py::{_DOCUMENTED}[{checked[0]}]"
+    return pytest.param(doc, argv, status, id=_command_id(argv), marks=pytest.mark.full(equivalent))
+
+
+_DOCUMENTED = "test_documented_doctor_command_runs_as_documented"
+
+
+@pytest.mark.parametrize(("doc", "argv", "status"), [_param(*command) for command in COMMANDS])
 def test_documented_doctor_command_runs_as_documented(
     doc: str,
     argv: list[str],

@@ -5,11 +5,13 @@ weights of the uninterrupted run, for shuffled arrays, a tf.data pipeline and a 
 tfscale.prepare_loop and tf.train.CheckpointManager (tests/launch/data/elastic_loop.py).
 
 The jobs start together in one module fixture (as test_jobs.py's): one elastic job per input
-(for arrays 2 attempts of 3 workers, for the others 1, then 2 workers) and the custom loop's.
-While they run, the fixture trains the uninterrupted references in the test process: the
-scripts' own ``train`` under MirroredStrategy over 3 logical CPUs, which reads the same
-global batches as 3 workers (the 3-worker job gave these weights within 1.1e-6, and 3
-worker processes more would cost 3 TensorFlow start-ups for each script).
+and the custom loop's, each 2 starts of 3 workers (a single restart before the drop), then 2
+workers. ``make test`` runs the arrays job; the others are ``full`` (``make test-full``,
+tests/README.md), and the fixture starts only the jobs of the tests the session runs. While
+they run, the fixture trains the uninterrupted references in the test process: the scripts'
+own ``train`` under MirroredStrategy over 3 logical CPUs, which reads the same global batches
+as 3 workers (the 3-worker job gave these weights within 1.1e-6, and 3 worker processes more
+would cost 3 TensorFlow start-ups for each script).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import pytest
 
 from tfscale.testing import groups_alive, mirrored_on_cpus, relative_difference
 
+from .selected import selected_param, selected_tests
+
 # One worker runs this module (make test: --dist loadgroup), so its module fixture runs once.
 pytestmark = [
     pytest.mark.tf,
@@ -49,11 +53,14 @@ _TIMEOUT = 900.0
 # epoch ends: worker 2 dies at update 26 (epoch 2), every 3-worker attempt resumes from 24
 # (epoch 2, batch 4), and so does the 2-worker attempt: mid-epoch, at the exact batch.
 _KILL_AFTER, _RESUMED_AT = 26, 24
-# Arrays restart once (--max-restarts 1: 2 starts of 3 workers, both resuming, before the
-# drop); the other inputs and the custom loop test the resume on 2 workers, which does not
-# depend on how many starts came before, with the drop at the first failure (0). Each start
-# is 3 TensorFlow processes: the suite's time is their start-up (tests/README.md).
-_RESTARTS = {"arrays": 1, "tfdata": 0, "dataset_fn": 0, "loop": 0}
+# Every job restarts once (--max-restarts 1: 2 starts of 3 workers, both resuming, before the
+# drop). Each start is 3 TensorFlow processes: the suite's time is their start-up, hence one
+# job in `make test` and the rest in `make test-full` (tests/README.md).
+_RESTARTS = 1
+_EQUIVALENT = (
+    "tests/launch/test_elastic_jobs.py::"
+    "test_job_losing_worker_2_finishes_on_2_with_the_uninterrupted_weights[arrays]"
+)
 
 
 @dataclass
@@ -109,31 +116,35 @@ class _Run:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Run]:
+def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Run]:
     root = tmp_path_factory.mktemp("elastic")
+    kinds = [kind for kind in _KINDS if kind in selected_param(request, "kind")]
+    loop = any(item.originalname == _LOOP_TEST for item in selected_tests(request))
     started = {}
-    for kind in _KINDS:
+    for kind in kinds:
         folder = root / kind
         started[kind] = _start(
             folder,
-            ["-n", "3", "--min-workers", "2", "--max-restarts", str(_RESTARTS[kind]), _SCRIPT,
+            ["-n", "3", "--min-workers", "2", "--max-restarts", str(_RESTARTS), _SCRIPT,
              "--data", kind, "--out", str(folder / "w"), "--checkpoint-dir", str(folder / "ck"),
              "--kill-after", str(_KILL_AFTER), "--record", str(folder)],
         )  # fmt: skip
-    # The custom loop: checkpoints every 4 steps, worker 2 dies after step 26 (epoch 2 of 4).
-    folder = root / "loop"
-    started["loop"] = _start(
-        folder,
-        ["-n", "3", "--min-workers", "2", "--max-restarts", str(_RESTARTS["loop"]), _LOOP,
-         "--out", str(folder / "w.npz"), "--checkpoint-dir", str(folder / "ck"),
-         "--kill-after", str(_KILL_AFTER), "--record", str(folder)],
-    )  # fmt: skip
+    if loop:
+        # The custom loop: checkpoints every 4 steps, worker 2 dies after step 26 (epoch 2/4).
+        folder = root / "loop"
+        started["loop"] = _start(
+            folder,
+            ["-n", "3", "--min-workers", "2", "--max-restarts", str(_RESTARTS), _LOOP,
+             "--out", str(folder / "w.npz"), "--checkpoint-dir", str(folder / "ck"),
+             "--kill-after", str(_KILL_AFTER), "--record", str(folder)],
+        )  # fmt: skip
     deadline = time.time() + _TIMEOUT
     try:
         mirrored = mirrored_on_cpus(3)
         train = _load("elastic_train")
-        references = {kind: train.train(mirrored, kind) for kind in _KINDS}
-        references["loop"] = _load("elastic_loop").train(mirrored)[1]
+        references = {kind: train.train(mirrored, kind) for kind in kinds}
+        if loop:
+            references["loop"] = _load("elastic_loop").train(mirrored)[1]
         for job in started.values():
             try:
                 remaining = max(1.0, deadline - time.time())
@@ -171,24 +182,34 @@ def _check_dropped_worker_2(job: _Job, restarts: int) -> None:
     assert len(job.pids) == 3 * starts + 2 and groups_alive(job.pids) == []
 
 
-@pytest.mark.parametrize("kind", _KINDS)
+@pytest.mark.parametrize(
+    "kind",
+    [
+        kind if kind == "arrays" else pytest.param(kind, marks=pytest.mark.full(_EQUIVALENT))
+        for kind in _KINDS
+    ],
+)
 def test_job_losing_worker_2_finishes_on_2_with_the_uninterrupted_weights(
     run: _Run, kind: str
 ) -> None:
     job = run.jobs[kind]
-    _check_dropped_worker_2(job, _RESTARTS[kind])
+    _check_dropped_worker_2(job, _RESTARTS)
     assert f"[worker 0] {kind} on 2 workers: done" in job.stdout
     difference = relative_difference(job.weights(f"w-{kind}.npz"), run.references[kind])
     print(f"{kind}: relative difference to the uninterrupted run {difference:.2e}")
     assert difference <= 1e-5, difference
 
 
+_LOOP_TEST = "test_custom_loop_losing_worker_2_finishes_on_2_with_the_uninterrupted_weights"
+
+
+@pytest.mark.full(_EQUIVALENT)
 def test_custom_loop_losing_worker_2_finishes_on_2_with_the_uninterrupted_weights(
     run: _Run,
 ) -> None:
     """tfscale.prepare_loop, CheckpointManager every 4 steps, resume by skipping batches."""
     job = run.jobs["loop"]
-    _check_dropped_worker_2(job, _RESTARTS["loop"])
+    _check_dropped_worker_2(job, _RESTARTS)
     assert f"[worker 0] loop on 2 workers from step {_RESUMED_AT}: done" in job.stdout
     difference = relative_difference(job.weights("w.npz"), run.references["loop"])
     print(f"custom loop: relative difference to the uninterrupted run {difference:.2e}")

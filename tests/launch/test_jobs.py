@@ -2,7 +2,10 @@
 under MultiWorkerMirrored (seed 001), a PS cluster.
 
 The jobs start together in one module fixture (TensorFlow start-up dominates, and the
-jobs wait on each other's gRPC most of the time); each test then checks one of them.
+jobs wait on each other's gRPC most of the time); each test then checks one of them. Of the
+unchanged seed scripts, ``make test`` runs seed 001's; the others are ``full`` (``make
+test-full``, tests/README.md), and the fixture starts only the jobs of the tests the session
+runs.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import pytest
 from tfscale.runtime.chatter import is_chatter
 from tfscale.testing import groups_alive, mirrored_on_cpus, relative_difference
 
+from .selected import selected_param, selected_tests
+
 # One worker runs this module (make test: --dist loadgroup), so its module fixture runs once.
 pytestmark = [
     pytest.mark.multiprocess,
@@ -44,6 +49,13 @@ _SEEDS = {
     "seed003_op_first": "Collective ops must be configured at program startup",
     "fit_alone": "model.fit ran under no distribution strategy",
 }
+# The seed `make test` runs: each script fails the same way (its workers run once, the job
+# stops at the first failure and names it), so one stands for the others there.
+_SEED_IN_TEST = "seed001_keras_fit"
+_SEED_EQUIVALENT = (
+    "tests/launch/test_jobs.py::"
+    f"test_unchanged_seed_scripts_never_exit_0_and_the_last_line_says_why[{_SEED_IN_TEST}]"
+)
 
 
 @dataclass
@@ -88,67 +100,57 @@ def _finish(job: _Job, deadline: float) -> None:
         raise
 
 
-@pytest.fixture(scope="module")
-def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Job]]:
-    root = tmp_path_factory.mktemp("jobs")
-    script = str(_DATA / "mwms_train.py")
-    started: dict[str, _Job] = {}
-    for name in ("plain", "crash", "ps", "keras", *_SEEDS):
-        (root / name).mkdir()
-    plain, crash, ps = root / "plain", root / "crash", root / "ps"
-    started["plain"] = _start(
-        "plain",
-        [
-            "-n",
-            "2",
-            script,
-            "--out",
-            str(plain / "w.npz"),
-            "--epochs",
-            "4",
-            "--checkpoint-dir",
-            str(plain / "ck"),
-            "--record",
-            str(plain),
-        ],
-        plain,
-        # CUDA reads -1 as "no GPU": the launcher must train on CPUs, not refuse ("2 workers
-        # cannot each have their own GPU: 1 visible", as it did when it split on commas).
-        CUDA_VISIBLE_DEVICES="-1",
-    )
-    started["crash"] = _start(
-        "crash",
-        [
+# The jobs each test reads (the restarted job's weights are checked against the plain one's).
+_NEEDS = {
+    "test_two_workers_equal_mirrored_over_two_logical_cpus": ("plain",),
+    "test_sigkilled_worker_stops_the_other_restarts_and_resumes": ("crash", "plain"),
+    "test_keras_model_fit_under_multi_worker_trains_with_one_added_line": ("keras",),
+    "test_parameter_server_cluster_trains_to_a_lower_loss": ("ps",),
+}
+
+
+def _arguments(name: str, root: Path) -> list[str]:
+    """The launch arguments of job ``name``, writing into ``root / name``."""
+    folder, script = root / name, str(_DATA / "mwms_train.py")
+    trained = [script, "--out", str(folder / "w.npz"), "--epochs", "4"]
+    trained += ["--checkpoint-dir", str(folder / "ck"), "--record", str(folder)]
+    if name == "plain":
+        return ["-n", "2", *trained]
+    if name == "crash":
+        return [
             "-n",
             "2",
             "--max-restarts",
             "1",
             "--grace",
             "2",
-            script,
-            "--out",
-            str(crash / "w.npz"),
-            "--epochs",
-            "4",
-            "--checkpoint-dir",
-            str(crash / "ck"),
-            "--record",
-            str(crash),
+            *trained,
             "--crash-once-at",
             "1:5",
-        ],
-        crash,
-    )
-    keras_fit = str(_DATA / "keras_fit_train.py")
-    started["keras"] = _start(
-        "keras", ["-n", "2", keras_fit, "--out", str(root / "keras" / "w.npz")], root / "keras"
-    )
-    for seed in _SEEDS:  # unchanged scripts: each must fail, saying why
-        script_path = str(_DATA / f"{seed}.py")
-        started[seed] = _start(seed, ["-n", "2", "--max-restarts", "2", script_path], root / seed)
-    started["ps"] = _start(
-        "ps", ["--ps", "1", "-n", "2", str(_DATA / "ps_train.py"), str(ps / "result.json")], ps
-    )
+        ]
+    if name == "keras":
+        return ["-n", "2", str(_DATA / "keras_fit_train.py"), "--out", str(folder / "w.npz")]
+    if name == "ps":
+        return ["--ps", "1", "-n", "2", str(_DATA / "ps_train.py"), str(folder / "result.json")]
+    # An unchanged script: it must fail, saying why.
+    return ["-n", "2", "--max-restarts", "2", str(_DATA / f"{name}.py")]
+
+
+@pytest.fixture(scope="module")
+def jobs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, _Job]]:
+    """The jobs of the tests this session runs, started together."""
+    root = tmp_path_factory.mktemp("jobs")
+    names = {name for item in selected_tests(request) for name in _NEEDS.get(item.originalname, ())}
+    names |= selected_param(request, "seed")
+    started: dict[str, _Job] = {}
+    for name in sorted(names):
+        (root / name).mkdir()
+        # CUDA reads -1 as "no GPU": the launcher must train on CPUs, not refuse ("2 workers
+        # cannot each have their own GPU: 1 visible", as it did when it split on commas).
+        env = {"CUDA_VISIBLE_DEVICES": "-1"} if name == "plain" else {}
+        started[name] = _start(name, _arguments(name, root), root / name, **env)
     deadline = time.time() + _TIMEOUT
     try:
         for job in started.values():
@@ -248,7 +250,15 @@ def test_parameter_server_cluster_trains_to_a_lower_loss(jobs: dict[str, _Job]) 
     assert len(job.pids) == 4 and groups_alive(job.pids) == []
 
 
-@pytest.mark.parametrize("seed", sorted(_SEEDS))
+@pytest.mark.parametrize(
+    "seed",
+    [
+        seed
+        if seed == _SEED_IN_TEST
+        else pytest.param(seed, marks=pytest.mark.full(_SEED_EQUIVALENT))
+        for seed in sorted(_SEEDS)
+    ],
+)
 def test_unchanged_seed_scripts_never_exit_0_and_the_last_line_says_why(
     jobs: dict[str, _Job], seed: str
 ) -> None:

@@ -24,22 +24,34 @@ def test_tfscale_fit_matches_one_device_model_fit(case: Case) -> None:
 
 
 # -- the same cases across 2 worker processes ----------------------------------------------------
+# The cases whose code path differs across workers run in `make test`: arrays sharded by
+# worker (EpochOrder's share of each worker), validation, a dataset of unknown length read
+# with get_next_as_optional, and sparse gradients gathered across workers (the reference: one
+# device, dense gradients).
 MULTIWORKER_CASES = (
     "fit_flow_arrays",
     "fit_with_val_split",
     "steps_per_epoch_infinite_dataset",
-    "loss_weights_dict_outputs",
-    "custom_compute_loss",
-    "class_weight",
-    "early_stopping_min_delta",
-    "gradient_accumulation_adam",
-    # Sparse gradients gathered across workers (the reference: one device, dense gradients):
-    # the classifier with Adam and the embeddings with AdamW. The other sparse-aware
-    # optimizers (RMSprop, Adagrad, Nadam, Lion) share this gather and are each checked on
-    # 2 replicas in the test process (SPARSE_CASES, tests/training/test_sparse_updates.py).
     "transformer_classifier_adam",
-    "token_and_position_embedding_adamw",
 )
+# The others take the same paths across workers as on 2 logical CPUs in the test process, where
+# `make test` runs each (its equivalent); `make test-full` runs them across workers too. The
+# other sparse-aware optimizers (RMSprop, Adagrad, Nadam, Lion) share the embeddings' gather
+# and are each checked on 2 replicas in the test process (tests/training/test_sparse_updates.py).
+_IN_PROCESS = {
+    "loss_weights_dict_outputs": "test_parity.py::test_tfscale_fit_matches_one_device_model_fit",
+    "custom_compute_loss": "test_parity_examples.py::test_tfscale_fit_matches_one_device_model_fit",
+    "class_weight": "test_parity_examples.py::test_tfscale_fit_matches_one_device_model_fit",
+    "early_stopping_min_delta": "test_parity.py::test_tfscale_fit_matches_one_device_model_fit",
+    "gradient_accumulation_adam": (
+        "test_parity_examples.py::test_tfscale_fit_matches_one_device_model_fit"
+    ),
+    "token_and_position_embedding_adamw": (
+        "test_sparse_updates.py::test_two_replicas_give_the_dense_gradients_update_of_one_device"
+    ),
+}
+MULTIWORKER_FULL_CASES = tuple(_IN_PROCESS)
+_FULL = pytest.mark.full(*(f"tests/training/{test}[{case}]" for case, test in _IN_PROCESS.items()))
 
 # Worker 0 runs the registry's own runner: the one-device model.fit reference in its process
 # (no state of the parent's earlier cases), then tfscale.fit over the cluster from the
@@ -81,13 +93,22 @@ np.savez(sys.argv[1] + ".npz", **weights)
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_cases_across_two_worker_processes_match_one_device(tmp_path: Path) -> None:
-    """10 cases trained by 2 worker processes (MultiWorkerMirroredStrategy, one CPU each):
+@pytest.mark.parametrize(
+    "cases",
+    [
+        pytest.param(MULTIWORKER_CASES, id="paths_across_workers"),
+        pytest.param(MULTIWORKER_FULL_CASES, id="the_others", marks=_FULL),
+    ],
+)
+def test_cases_across_two_worker_processes_match_one_device(
+    tmp_path: Path, cases: tuple[str, ...]
+) -> None:
+    """Cases trained by 2 worker processes (MultiWorkerMirroredStrategy, one CPU each):
     worker 0's checked against one-device model.fit with the case's own checks, worker 1's
     weights equal to worker 0's."""
-    run_workers(_WORKER, [str(tmp_path / "w"), str(TESTS), ",".join(MULTIWORKER_CASES)])
+    run_workers(_WORKER, [str(tmp_path / "w"), str(TESTS), ",".join(cases)])
     chief = json.loads((tmp_path / "w0.json").read_text())
-    assert sorted(chief) == sorted(MULTIWORKER_CASES)
+    assert sorted(chief) == sorted(cases)
     failed = {name: o["why"] for name, o in chief.items() if not o["ok"]}
     assert not failed, f"worker 0: {failed}"
     other = json.loads((tmp_path / "w1.json").read_text())
@@ -95,6 +116,6 @@ def test_cases_across_two_worker_processes_match_one_device(tmp_path: Path) -> N
     assert all(o["iterations"] > 0 for o in chief.values())
     with np.load(tmp_path / "w0.npz") as first, np.load(tmp_path / "w1.npz") as second:
         assert sorted(first.files) == sorted(second.files)
-        assert {key.split("/")[0] for key in first.files} == set(MULTIWORKER_CASES)
+        assert {key.split("/")[0] for key in first.files} == set(cases)
         for key in first.files:
             np.testing.assert_array_equal(first[key], second[key], err_msg=key)

@@ -1,0 +1,128 @@
+"""The CPU cost of one small ``tfscale.fit`` call on 2 replicas against Keras's one-device
+``model.fit`` of the same model: what every in-process training test pays, and what a
+hyperparameter sweep or a TaskPool of small fits pays per fit (issue #41).
+
+Each side trains a FRESH model (built and compiled anew, tracing included) for 2 epochs of 256
+examples (batch 32), after a warm-up fit of another model in the same process, so that
+process-wide start-up (TensorFlow's first graph, Keras's imports) is paid by neither. Keras
+trains on one device (``/device:CPU:0``); tfscale.fit on MirroredStrategy over 2 logical CPUs,
+as the tests' ``strategy_for(2)`` does. The CPU seconds are the process's (user + system,
+``time.process_time``); the sides alternate over ``--repeats`` rounds and the table shows each
+side's median and the median of the per-round ratios. Both fits start from the same initial
+weights and read the same batches, and their weights are compared (relative difference).
+
+    python benchmarks/fit_cost.py [--repeats 5] [--profile tfscale|keras]
+
+``--profile`` runs cProfile over one more fit of that side (a fresh model after the rounds)
+and prints the 40 functions with the most cumulative time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ["TFSCALE_VIRTUAL_DEVICES"] = "2"
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tfscale
+from tfscale.testing import mirrored_on_cpus, relative_difference
+from tfscale.workloads import build_model, synthetic_classification
+
+FEATURES, CLASSES, EXAMPLES, BATCH, EPOCHS = 12, 4, 256, 32, 2
+
+
+def _model(strategy: tf.distribute.Strategy | None) -> keras.Model:
+    scope = strategy.scope() if strategy is not None else tf.distribute.get_strategy().scope()
+    with scope:
+        return build_model(
+            "mlp", input_shape=(FEATURES,), classes=CLASSES, width=4, learning_rate=0.1
+        )
+
+
+def _keras_fit(x: np.ndarray, y: np.ndarray, initial: list[np.ndarray]) -> keras.Model:
+    with tf.device("/device:CPU:0"):
+        model = _model(None)
+        model.set_weights(initial)
+        model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    return model
+
+
+def _tfscale_fit(
+    strategy: tf.distribute.Strategy,
+) -> Callable[[np.ndarray, np.ndarray, list[np.ndarray]], keras.Model]:
+    def fit(x: np.ndarray, y: np.ndarray, initial: list[np.ndarray]) -> keras.Model:
+        model = _model(strategy)
+        model.set_weights(initial)
+        tfscale.fit(
+            model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+            strategy=strategy,
+        )  # fmt: skip
+        return model
+
+    return fit
+
+
+def _cpu(run: Callable[[], Any]) -> tuple[float, Any]:
+    start = time.process_time()
+    result = run()
+    return time.process_time() - start, result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--profile", choices=("tfscale", "keras"))
+    args = parser.parse_args()
+    strategy = mirrored_on_cpus(2)
+    x, y = synthetic_classification(EXAMPLES, FEATURES, CLASSES, seed=7)
+    initial = _model(None).get_weights()
+    sides = {
+        "keras model.fit, 1 device": _keras_fit,
+        "tfscale.fit, 2 replicas": _tfscale_fit(strategy),
+    }
+    for fit in sides.values():  # the warm-up fits: process-wide start-up paid by neither
+        fit(x, y, initial)
+    seconds: dict[str, list[float]] = {name: [] for name in sides}
+    difference = 0.0
+    for _ in range(args.repeats):
+        weights = []
+        for name, fit in sides.items():
+            spent, model = _cpu(lambda fit=fit: fit(x, y, initial))
+            seconds[name].append(spent)
+            weights.append(model.get_weights())
+        difference = max(difference, relative_difference(weights[1], weights[0]))
+    keras_name, tfscale_name = sides
+    ratios = [t / k for t, k in zip(seconds[tfscale_name], seconds[keras_name], strict=True)]
+    print(
+        f"{EPOCHS} epochs of {EXAMPLES} examples, batch {BATCH}, a fresh model each fit; ", end=""
+    )
+    print(f"median of {args.repeats} rounds (CPU-s, user + system)")
+    print("| fit | CPU-s | vs Keras |\n| --- | --- | --- |")
+    print(f"| {keras_name} | {statistics.median(seconds[keras_name]):.3f} | 1.00x |")
+    print(
+        f"| {tfscale_name} | {statistics.median(seconds[tfscale_name]):.3f} | "
+        f"{statistics.median(ratios):.2f}x |"
+    )
+    print(f"weights: relative difference {difference:.1e}")
+    if args.profile:
+        fit = sides[keras_name if args.profile == "keras" else tfscale_name]
+        profiler = cProfile.Profile()
+        profiler.runcall(fit, x, y, initial)
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
+
+
+if __name__ == "__main__":
+    main()
