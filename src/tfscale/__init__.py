@@ -10,9 +10,7 @@ into N logical devices before TensorFlow starts.
 
 from __future__ import annotations
 
-import importlib
 import os
-from typing import Any
 
 from tfscale.errors import (
     ClusterConfigError,
@@ -29,6 +27,7 @@ from tfscale.errors import (
     TfscaleWarning,
     TrainingError,
 )
+from tfscale.runtime.lazy import lazy_names
 
 __version__ = "0.1.0"
 
@@ -83,17 +82,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tfscale' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_names("tfscale", _LAZY, globals())
 
 
 # TensorFlow is configured when it is imported (tfscale/tf_import.py), not by importing

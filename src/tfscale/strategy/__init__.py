@@ -19,11 +19,11 @@ takes ``strategy=None``, :func:`strategy_in_effect` (``current.py``) says which 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 # The facts and the rules are TensorFlow-free (the doctor and the pure tests use them without
 # TensorFlow's 5 s import); building a strategy imports it, so those names load on first use.
+from tfscale.runtime.lazy import lazy_names
 from tfscale.strategy.facts import StrategyFacts, gather_facts, normalize_device
 from tfscale.strategy.rules import KINDS, Decision, decide
 
@@ -50,10 +50,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tfscale.strategy' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_names("tfscale.strategy", _LAZY, globals())

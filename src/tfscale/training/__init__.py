@@ -7,8 +7,7 @@ Its names load on first use (PEP 562), as ``tfscale``'s do: the memory plan's pu
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from tfscale.runtime.lazy import lazy_names
 
 _LAZY = {
     "CheckpointConfig": "tfscale.training.checkpoint",
@@ -23,14 +22,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tfscale.training' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_names("tfscale.training", _LAZY, globals())
