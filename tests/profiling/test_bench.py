@@ -81,7 +81,7 @@ def _wide_model() -> Any:
             keras.layers.Dense(10),
         ]
     )
-    # 4.7 M weights (19 MB of gradients), plain SGD, 2 examples per replica: little compute
+    # 4.7 M weights (19 MB of gradients), plain SGD, 1 example per replica: little compute
     # per byte of gradient.
     model.compile(
         optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -97,7 +97,7 @@ def test_dominant_communication_across_workers_advice_and_verify() -> None:
     report = profile(
         _wide_model,
         workers=2,
-        batch_per_replica=2,
+        batch_per_replica=1,  # the least compute per byte of gradient: the link dominates
         steps=8,
         warmup=2,
         trace_steps=0,
