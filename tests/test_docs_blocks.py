@@ -121,6 +121,7 @@ def _all_blocks() -> tuple[list[Block], list[str]]:
 
 BLOCKS, STRAY = _all_blocks()
 RUNNABLE = [b for b in BLOCKS if b.kind == "runnable"]
+_QUICKSTART = RUNNABLE[0].where  # README's first runnable block
 
 
 def test_the_marker_parser_tells_runnable_fragment_unmarked_and_stray_markers_apart() -> None:
@@ -225,6 +226,10 @@ def _source_files() -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+# The install is what this adds; the quickstart block itself runs in make test.
+@pytest.mark.full(
+    f"tests/test_docs_blocks.py::test_a_runnable_block_runs_as_written[{_QUICKSTART}]"
+)
 def test_the_quickstart_runs_in_a_fresh_virtualenv_after_pip_install_cpu(tmp_path: Path) -> None:
     quickstart = next(b for b in BLOCKS if b.doc == "README.md")
     clone = tmp_path / "clone"

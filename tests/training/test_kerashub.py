@@ -92,6 +92,13 @@ def _launched(folder: Path, runs: tuple[str, ...]) -> list[dict[str, dict[str, o
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+# make test keeps each model by the one line on 2 logical CPUs, and a dataset input across 2
+# workers in the parity suite's 2-worker group (the path a KerasHub fit takes there).
+@pytest.mark.full(
+    f"{_FIT_TEST}[gpt2_causal_lm_adam]",
+    "tests/training/test_parity_examples.py::"
+    "test_cases_across_two_worker_processes_match_one_device[paths_across_workers]",
+)
 def test_models_under_tfscale_launch_give_one_device_weights(tmp_path: Path) -> None:
     """``tfscale launch -n 2`` (MultiWorkerMirroredStrategy, 2 processes on 127.0.0.1): both
     workers end with the same weights, which pass the case's checks against one device's

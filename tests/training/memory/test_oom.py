@@ -113,6 +113,10 @@ except tfscale.OutOfMemoryError as error:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+@pytest.mark.full(
+    "tests/training/memory/test_oom.py::"
+    "test_fit_out_of_memory_names_the_plan_the_fixes_and_the_last_checkpoint"
+)
 def test_prepared_model_fit_and_custom_loop_out_of_memory_explained(tmp_path: Path) -> None:
     code = """
 # Twice the examples of tfscale.fit's case: Keras's own input path may run the two replicas'
