@@ -240,6 +240,16 @@ def test_a_models_own_fit_reaches_the_prepared_classs_fit_below_it() -> None:
     )
 
 
+def test_autocast_scope_is_read_and_entered() -> None:
+    # training.layercalls (remat under a mixed policy) reads and re-enters Keras's scope.
+    assert internals.autocast_dtype() is None
+    variable = keras.Variable(np.ones(2, "float32"))
+    with internals.autocast("bfloat16"):
+        assert internals.autocast_dtype() == "bfloat16"
+        assert keras.ops.convert_to_tensor(variable).dtype == "bfloat16"
+    assert internals.autocast_dtype() is None
+
+
 def test_flatten_layers() -> None:
     model = _functional()
     _require(model, "_flatten_layers", "flatten_layers", "training.layercalls, precision")

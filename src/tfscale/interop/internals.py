@@ -28,6 +28,8 @@ from tfscale.interop import registry
 __all__ = [
     "DEFAULT_STRATEGY_CLASS",
     "atomic_variable_updates",
+    "autocast",
+    "autocast_dtype",
     "autograph_origin",
     "backing_variable",
     "builtin_all_reduce_replaced",
@@ -503,6 +505,28 @@ def trackable_base() -> Any:
     import tensorflow as tf
 
     return tf.__internal__.tracking.Trackable
+
+
+def autocast_dtype() -> Any:
+    """The dtype Keras casts float variables to where they are read now (a mixed policy's
+    compute dtype inside a layer's ``__call__``), or None.
+
+    ``keras.src.backend.common.variables.get_autocast_scope``: remat recomputes a layer's call
+    in the backward pass, outside that layer's ``__call__`` and its autocast scope, and reads
+    its variables there (``training/layercalls.py``).
+    """
+    from keras.src.backend.common.variables import get_autocast_scope
+
+    scope = get_autocast_scope()
+    return None if scope is None else scope.dtype
+
+
+def autocast(dtype: Any) -> Any:
+    """``keras.src.backend.common.variables.AutocastScope(dtype)``: float variables read as
+    ``dtype`` inside it (None: as they are)."""
+    from keras.src.backend.common.variables import AutocastScope
+
+    return AutocastScope(dtype)
 
 
 # -- Keras losses ---------------------------------------------------------------------------

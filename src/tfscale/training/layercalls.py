@@ -20,7 +20,16 @@ __all__ = ["layer_calls"]
 
 def _recomputed(call: Callable[..., Any]) -> Callable[..., Any]:
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        return tf.recompute_grad(lambda *inner: call(*inner, **kwargs))(*args)
+        # The backward pass recomputes the call outside the layer's __call__, where a mixed
+        # policy's autocast scope no longer holds: float32 weights met bfloat16 inputs
+        # ("Input 'b' of 'MatMul' Op has type float32 that does not match type bfloat16").
+        dtype = internals.autocast_dtype()
+
+        def recomputed(*inner: Any) -> Any:
+            with internals.autocast(dtype):
+                return call(*inner, **kwargs)
+
+        return tf.recompute_grad(recomputed)(*args)
 
     return wrapped
 
