@@ -414,6 +414,21 @@ _PER_REPLICA_LOSSES: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 
 
+@contextlib.contextmanager
+def _switched(
+    setting: contextvars.ContextVar[Any], value: Any, releases: list[Callable[[], None]]
+) -> Iterator[None]:
+    """``setting`` is ``value`` in this thread while active; then the switches' installs (the
+    ``releases`` of their ``registry.install``) are let go."""
+    token = setting.set(value)
+    try:
+        yield
+    finally:
+        setting.reset(token)
+        for release in releases:
+            release()
+
+
 def _all_reduce_switch(keras: Callable[..., Any]) -> Callable[..., Any]:
     def switched(self: Any, grads_and_vars: Any) -> Any:
         replacement = _ALL_REDUCE_REPLACEMENT.get()
@@ -439,12 +454,8 @@ def builtin_all_reduce_replaced(replacement: Callable[[Any, Any], Any]) -> Itera
     release = registry.install(
         "all-reduce-switch", TFOptimizer, "_all_reduce_sum_gradients", _all_reduce_switch
     )
-    token = _ALL_REDUCE_REPLACEMENT.set(replacement)
-    try:
+    with _switched(_ALL_REDUCE_REPLACEMENT, replacement, [release]):
         yield
-    finally:
-        _ALL_REDUCE_REPLACEMENT.reset(token)
-        release()
 
 
 def optimizer_trainable_variables(optimizer: Any) -> list[Any]:
@@ -564,13 +575,8 @@ def replica_count_scaling_off() -> Iterator[None]:
         registry.install("loss-scaling-switch", module, name, _loss_scaling_switch)
         for name in ("scale_loss_for_distribution", "unscale_loss_for_distribution")
     ]
-    token = _PER_REPLICA_LOSSES.set(True)
-    try:
+    with _switched(_PER_REPLICA_LOSSES, True, releases):
         yield
-    finally:
-        _PER_REPLICA_LOSSES.reset(token)
-        for release in releases:
-            release()
 
 
 def tensorflow_variable_class() -> Any:
@@ -627,13 +633,8 @@ def atomic_variable_updates() -> Iterator[None]:
         registry.install("atomic-updates", tensorflow_variable_class(), name, layer)
         for name, layer in _ATOMIC_LAYERS.items()
     ]
-    token = _ATOMIC_UPDATES.set(True)
-    try:
+    with _switched(_ATOMIC_UPDATES, True, releases):
         yield
-    finally:
-        _ATOMIC_UPDATES.reset(token)
-        for release in releases:
-            release()
 
 
 _WATCH_LAYERS: dict[Any, Callable[[Callable[..., Any]], Callable[..., Any]]] = {}
