@@ -60,6 +60,14 @@ def _defaults() -> dict[str, Any]:
     return {name: p.default for name, p in inspect.signature(fit).parameters.items()}
 
 
+@functools.cache
+def _keras_fit() -> dict[str, Any]:
+    """``keras.Model.fit``'s arguments and their defaults, read from Keras (TfscaleFit.planned
+    reads the call's arguments by name)."""
+    parameters = inspect.signature(keras.Model.fit).parameters
+    return {name: p.default for name, p in parameters.items() if name != "self"}
+
+
 def _checkpoint_config(checkpoint_dir: Any) -> CheckpointConfig | None:
     if checkpoint_dir is None or isinstance(checkpoint_dir, CheckpointConfig):
         return checkpoint_dir
@@ -401,7 +409,7 @@ class TfscaleFit:
     def planned(self, model: Any, arguments: MutableMapping[str, Any]) -> Iterator[None]:
         """Checks Keras ``fit``'s data arguments and replaces them by tfscale's plan
         (``data.plan_inputs``), in place; held while Keras's ``fit`` runs."""
-        named = {name: arguments.get(name, default) for name, default in _KERAS_FIT.items()}
+        named = {name: arguments.get(name, default) for name, default in _keras_fit().items()}
         x, y, validation_data = named["x"], named["y"], named["validation_data"]
         batch_size, steps_per_epoch = named["batch_size"], named["steps_per_epoch"]
         _check_input(x, steps_per_epoch)
@@ -450,23 +458,3 @@ class TfscaleFit:
             _expected_end_of_data(self.config, inputs.unknown_length),
         ):
             yield
-
-
-# keras.Model.fit's data arguments and their defaults, as TfscaleFit.planned reads them.
-_KERAS_FIT: dict[str, Any] = {
-    "x": None,
-    "y": None,
-    "batch_size": None,
-    "epochs": 1,
-    "verbose": "auto",
-    "callbacks": None,
-    "validation_split": 0.0,
-    "validation_data": None,
-    "shuffle": True,
-    "class_weight": None,
-    "sample_weight": None,
-    "initial_epoch": 0,
-    "steps_per_epoch": None,
-    "validation_steps": None,
-    "validation_batch_size": None,
-}
