@@ -73,22 +73,29 @@ def plan_memory(
     from tfscale.training.memory.facts import model_facts
     from tfscale.training.memory.plan import make_plan
     from tfscale.training.memory.targets import device_capacities, plan_devices
-    from tfscale.training.options import check_switch
+    from tfscale.training.options import Options
 
-    check_switch("remat", remat)
-    check_switch("shard_optimizer_state", shard_optimizer_state)
-    for name, value in (
-        ("accumulation_steps", accumulation_steps),
-        ("pipeline_stages", pipeline_stages),
+    # The training options are checked as every entry checks them (one definition); the
+    # pipeline's stages are the plan's own.
+    checked = Options(
+        mixed_precision=mixed_precision,
+        remat=remat,
+        accumulation_steps=accumulation_steps,
+        shard_optimizer_state=shard_optimizer_state,
+    )
+    if (
+        isinstance(pipeline_stages, bool)
+        or not isinstance(pipeline_stages, int)
+        or (pipeline_stages < 1)
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            from tfscale.errors import TrainingError, explain
+        from tfscale.errors import TrainingError, explain
 
-            raise TrainingError(explain(f"{name} must be an int >= 1.", received=value))
-    if mixed_precision is not None:
-        from tfscale.training.precision import resolve_precision
-
-        mixed_precision = resolve_precision(mixed_precision).name
+        raise TrainingError(
+            explain("pipeline_stages must be an int >= 1.", received=pipeline_stages)
+        )
+    mixed_precision, remat = checked.mixed_precision, checked.remat
+    accumulation_steps = checked.accumulation_steps
+    shard_optimizer_state = checked.shard_optimizer_state
     devices = plan_devices(model, strategy)
     options = PlanOptions(
         batch_per_replica=int(batch_per_replica),
