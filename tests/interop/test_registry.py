@@ -202,6 +202,8 @@ def test_an_undeclared_replacement_is_refused() -> None:
         registry.replace("optimizer-apply", model, "call", None)
     with pytest.raises(AssertionError, match="undeclared interception"):
         registry.replace("no-such-key", model, "call", None)
+    with pytest.raises(AssertionError, match="is not made of"):  # not a subclass of its class
+        registry.give_class("model-class", model, type("Other", (keras.Model,), {}))
 
 
 @pytest.mark.multiprocess

@@ -256,7 +256,7 @@ def restore(key: str, obj: Any, attribute: str) -> None:
 def give_class(key: str, obj: Any, cls: type) -> None:
     """Makes ``obj`` an object of ``cls``, a subclass made of its own class."""
     _declared(key, "__class__", ("object",))
-    if not isinstance(obj, cls.__mro__[1:]) and type(obj) not in cls.__mro__:
+    if type(obj) not in cls.__mro__:  # a subclass of the object's own class only
         raise AssertionError(f"{cls!r} is not made of {type(obj)!r}")
     object.__setattr__(obj, "__class__", cls)
 
