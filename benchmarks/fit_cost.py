@@ -11,10 +11,12 @@ as the tests' ``strategy_for(2)`` does. The CPU seconds are the process's (user 
 side's median and the median of the per-round ratios. Both fits start from the same initial
 weights and read the same batches, and their weights are compared (relative difference).
 
-    python benchmarks/fit_cost.py [--repeats 5] [--profile tfscale|keras]
+    python benchmarks/fit_cost.py [--repeats 5] [--profile tfscale|keras] [--steps-per-call]
 
 ``--profile`` runs cProfile over one more fit of that side (a fresh model after the rounds)
-and prints the 40 functions with the most cumulative time.
+and prints the 40 functions with the most cumulative time. ``--steps-per-call`` adds the
+measurement behind ``fit.AUTO_MIN_STEPS``: tfscale.fit's CPU seconds at one and at 16 steps
+per call for fits of 16 to 256 steps (2 to 32 epochs of 8 batches), same rounds and medians.
 """
 
 from __future__ import annotations
@@ -61,14 +63,14 @@ def _keras_fit(x: np.ndarray, y: np.ndarray, initial: list[np.ndarray]) -> keras
 
 
 def _tfscale_fit(
-    strategy: tf.distribute.Strategy,
+    strategy: tf.distribute.Strategy, epochs: int = EPOCHS, steps_per_execution: int | None = None
 ) -> Callable[[np.ndarray, np.ndarray, list[np.ndarray]], keras.Model]:
     def fit(x: np.ndarray, y: np.ndarray, initial: list[np.ndarray]) -> keras.Model:
         model = _model(strategy)
         model.set_weights(initial)
         tfscale.fit(
-            model, x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
-            strategy=strategy,
+            model, x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
+            strategy=strategy, steps_per_execution=steps_per_execution,
         )  # fmt: skip
         return model
 
@@ -81,10 +83,31 @@ def _cpu(run: Callable[[], Any]) -> tuple[float, Any]:
     return time.process_time() - start, result
 
 
+def _steps_per_call(
+    strategy: tf.distribute.Strategy,
+    x: np.ndarray,
+    y: np.ndarray,
+    initial: list[np.ndarray],
+    repeats: int,
+) -> None:
+    steps = EXAMPLES // BATCH
+    print("\ntfscale.fit, 2 replicas, CPU-s by steps per call (median of rounds)")
+    print("| steps in the fit | 1 per call | 16 per call |\n| --- | --- | --- |")
+    for epochs in (2, 4, 8, 16, 32):
+        fits = {n: _tfscale_fit(strategy, epochs, n) for n in (1, 16)}
+        spent: dict[int, list[float]] = {1: [], 16: []}
+        for _ in range(repeats):
+            for n, fit in fits.items():
+                spent[n].append(_cpu(lambda fit=fit: fit(x, y, initial))[0])
+        medians = {n: statistics.median(values) for n, values in spent.items()}
+        print(f"| {epochs * steps} | {medians[1]:.3f} | {medians[16]:.3f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--profile", choices=("tfscale", "keras"))
+    parser.add_argument("--steps-per-call", action="store_true")
     args = parser.parse_args()
     strategy = mirrored_on_cpus(2)
     x, y = synthetic_classification(EXAMPLES, FEATURES, CLASSES, seed=7)
@@ -117,6 +140,8 @@ def main() -> None:
         f"{statistics.median(ratios):.2f}x |"
     )
     print(f"weights: relative difference {difference:.1e}")
+    if args.steps_per_call:
+        _steps_per_call(strategy, x, y, initial, args.repeats)
     if args.profile:
         fit = sides[keras_name if args.profile == "keras" else tfscale_name]
         profiler = cProfile.Profile()

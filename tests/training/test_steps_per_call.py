@@ -2,13 +2,17 @@
 
 ``tfscale.fit`` given no ``steps_per_execution`` runs ``AUTO_STEPS_PER_EXECUTION`` steps per
 call when no callback watches batches, no bar is drawn per batch, no validation and no step
-checkpoint are due and each epoch's length is known (``fit.auto_steps_per_execution``). The
-result must be the one-step-per-call result, and one device's: the same weights, History and
-update count, with an epoch length the calls do not divide (13 steps, 16 per call).
+checkpoint are due, each epoch's length is known and the fit runs at least ``AUTO_MIN_STEPS``
+steps (``fit.auto_steps_per_execution``). The result must be the one-step-per-call result, and
+one device's: the same weights, History and update count, with an epoch length the calls do not
+divide (13 steps, 16 per call). The fits here are shorter than ``AUTO_MIN_STEPS`` (a long fit
+would only cost time): the tests of the loop itself lower it (``_loop_at_any_length``), and
+``test_a_short_fit_runs_one_step_per_call`` keeps its real value.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import keras
@@ -18,13 +22,20 @@ import tensorflow as tf
 
 import tfscale
 from tfscale.testing import relative_difference
-from tfscale.training.fit import AUTO_STEPS_PER_EXECUTION, auto_steps_per_execution
+from tfscale.training.fit import AUTO_MIN_STEPS, AUTO_STEPS_PER_EXECUTION, auto_steps_per_execution
 
 from .helpers import strategy_for
 
 pytestmark = pytest.mark.tf
 
 _EXAMPLES, _BATCH = 200, 16  # 13 steps per epoch, the last one short
+
+
+@pytest.fixture
+def _loop_at_any_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several steps per call however short the fit: these tests are about the loop."""
+    # The module (tfscale.training's `fit` is the function of the same name).
+    monkeypatch.setattr(importlib.import_module("tfscale.training.fit"), "AUTO_MIN_STEPS", 1)
 
 
 class _StepsPerCall(keras.callbacks.Callback):  # type: ignore[misc]
@@ -84,6 +95,7 @@ def _inputs(kind: str, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("kind", ["arrays", "tf.data", "repeated tf.data"])
+@pytest.mark.usefixtures("_loop_at_any_length")
 def test_several_steps_per_call_give_one_devices_weights_history_and_updates(kind: str) -> None:
     x, y = _data(seed=11)
     reference = _model()
@@ -115,6 +127,7 @@ def test_several_steps_per_call_give_one_devices_weights_history_and_updates(kin
     assert relative_difference(auto[0].get_weights(), one[0].get_weights()) <= 1e-6
 
 
+@pytest.mark.usefixtures("_loop_at_any_length")
 def test_random_layers_draw_the_same_per_step_with_several_steps_per_call() -> None:
     x, y = _data(seed=16)
     weights = []
@@ -147,6 +160,7 @@ def _decided(model: keras.Model, **overrides: Any) -> int | None:
         "verbose": 0,
         "fit_arguments": {"x": tf.data.Dataset.from_tensor_slices((x, y)).batch(_BATCH)},
         "checkpointing": False,
+        "epochs": AUTO_MIN_STEPS,  # of 13 steps each: long enough
     }
     arguments.update(overrides)
     return auto_steps_per_execution(model, strategy_for(2), **arguments)
@@ -184,6 +198,28 @@ def test_one_step_per_call_wherever_steps_per_call_would_show() -> None:
     assert _decided(_model(steps_per_execution=4)) is None
 
 
+def test_a_short_fit_runs_one_step_per_call() -> None:
+    """Below ``AUTO_MIN_STEPS`` steps in all (epochs x steps per epoch) the loop's trace
+    costs more than its fewer calls save: one step per call."""
+    model = _model()
+    x, y = _data(seed=18)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(_BATCH)  # 13 steps an epoch
+    enough = -(-AUTO_MIN_STEPS // 13)
+    assert _decided(model, epochs=enough) == AUTO_STEPS_PER_EXECUTION
+    assert _decided(model, epochs=enough - 1) is None
+    repeated = {"x": dataset.repeat(), "steps_per_epoch": AUTO_MIN_STEPS}
+    assert _decided(model, fit_arguments=repeated, epochs=1) == AUTO_STEPS_PER_EXECUTION
+    repeated["steps_per_epoch"] = AUTO_MIN_STEPS - 1
+    assert _decided(model, fit_arguments=repeated, epochs=1) is None
+    # And in a fit: 2 epochs of 13 steps, one step per call.
+    watcher = _StepsPerCall()
+    tfscale.fit(
+        model, x, y, batch_size=_BATCH, epochs=2, verbose=0, callbacks=[watcher],
+        strategy=strategy_for(2),
+    )  # fmt: skip
+    assert watcher.seen == [1, 1]
+
+
 def test_compiles_steps_per_execution_and_an_explicit_one_are_kept() -> None:
     x, y = _data(seed=15)
     for compiled, given, expected in ((4, None, 4), (1, 1, 1), (1, 3, 3)):
@@ -208,6 +244,7 @@ class _Traced(keras.layers.Layer):  # type: ignore[misc]
         return inputs
 
 
+@pytest.mark.usefixtures("_loop_at_any_length")
 def test_several_steps_per_call_trace_keras_own_step_once() -> None:
     """The step is traced inside the call's loop only: as often as for one step per call
     (tracing it a second time for the first step doubled the start of a short fit)."""

@@ -51,7 +51,13 @@ from tfscale.training.options import Entry, Options, resolve_strategy
 from tfscale.training.prepare import check_model, prepare_model
 from tfscale.training.shorthand import takes_options
 
-__all__ = ["AUTO_STEPS_PER_EXECUTION", "TfscaleFit", "auto_steps_per_execution", "fit"]
+__all__ = [
+    "AUTO_MIN_STEPS",
+    "AUTO_STEPS_PER_EXECUTION",
+    "TfscaleFit",
+    "auto_steps_per_execution",
+    "fit",
+]
 
 
 @functools.cache
@@ -178,6 +184,12 @@ def _steps_per_execution(model: Any, value: int | None) -> Iterator[None]:
 # Steps per call of the train function when nothing watches batches (#26): a call costs
 # Keras's loop and its callbacks ~0.3 ms in Python, a third of a small model's step on a CPU.
 AUTO_STEPS_PER_EXECUTION = 16
+# ... and only in a fit of at least this many steps: tracing the call's while loop costs a
+# small model on 2 replicas about 0.05 CPU-s more than one step per call, which the loop's
+# fewer calls win back at about 128 steps (benchmarks/fit_cost.py --steps-per-call: 0.59 vs
+# 0.64 CPU-s at 16 steps, 0.77 vs 0.76 at 128, 0.97 vs 0.96 at 256). A shorter fit (a sweep's,
+# a TaskPool's) would pay for a loop it does not use.
+AUTO_MIN_STEPS = 128
 
 
 def auto_steps_per_execution(
@@ -187,10 +199,11 @@ def auto_steps_per_execution(
     verbose: int | str,
     fit_arguments: dict[str, Any],
     checkpointing: bool,
+    epochs: int,
 ) -> int | None:
     """Steps per train function call for a fit given no ``steps_per_execution``: None keeps
     compile()'s; :data:`AUTO_STEPS_PER_EXECUTION` where running several steps per call
-    changes nothing but the time.
+    changes nothing but the time and the fit runs at least :data:`AUTO_MIN_STEPS` steps.
 
     Keras calls the batch hooks of callbacks once per call, so several steps per call are
     invisible exactly when: compile() left it at 1; no callback overrides a batch hook
@@ -200,7 +213,9 @@ def auto_steps_per_execution(
     (``ExactSteps``): a dataset's own length, or ``steps_per_epoch`` over an input of
     unknown length (tfscale's arrays, a generator, a repeated dataset). It stays at 1 with
     validation (Keras's evaluation runs whole calls, so ``validation_steps`` would not be
-    exact), on several workers, and eagerly.
+    exact), on several workers, and eagerly; and at 1 for a fit of fewer than
+    :data:`AUTO_MIN_STEPS` steps over its ``epochs`` (the epochs this call runs), whose
+    while loop would cost more to trace than its fewer calls save.
     """
     if int(model.steps_per_execution) != 1 or getattr(model, "run_eagerly", False):
         return None
@@ -213,7 +228,10 @@ def auto_steps_per_execution(
     # start each epoch on a new iterator instead of continuing (keras-io's "steps_per_epoch on
     # a dataset", tests/training/parity).
     given = fit_arguments.get("steps_per_epoch")
-    if bool(given) == (finite_length(fit_arguments.get("x")) is not None):
+    length = finite_length(fit_arguments.get("x"))
+    if bool(given) == (length is not None):
+        return None
+    if epochs * int(given or length or 0) < AUTO_MIN_STEPS:
         return None
     if any(watches_batches(callback) for callback in callbacks):
         return None
@@ -452,6 +470,7 @@ class TfscaleFit:
                 named["verbose"],
                 inputs.fit,
                 self.config is not None,
+                named["epochs"] - first_epoch,
             )
         with (
             _steps_per_execution(model, steps_per_execution),
