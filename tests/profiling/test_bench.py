@@ -91,9 +91,17 @@ def _wide_model() -> Any:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+@pytest.mark.full(
+    "tests/profiling/test_bench.py::test_verify_measures_advised_gradient_compression",
+    "tests/profiling/test_bench.py::test_workers_need_an_importable_model_and_report_a_failing_worker",
+)
 def test_dominant_communication_across_workers_advice_and_verify() -> None:
     """Two worker processes (MultiWorkerMirroredStrategy over gRPC on 127.0.0.1): the
-    all-reduce really crosses processes, and exposed communication is the largest share."""
+    all-reduce really crosses processes, and exposed communication is the largest share.
+
+    In ``make test-full``: 16 CPU-s of 2-worker profiling whose main claim (which share is
+    largest) is a timing; ``make test`` keeps the advice's verification in-process and the
+    profile's worker processes (the equivalents named in its mark)."""
     report = profile(
         _wide_model,
         workers=2,
