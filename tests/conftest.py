@@ -138,6 +138,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     problems = tier_problems(items)
     if problems:
         raise pytest.UsageError("test tiers:\n" + "\n".join(problems))
+    _late_but_not_last(items)
+
+
+# Where the tests marked ``late`` (the 200-repeat thread tests) go: before this module, the
+# in-process training suite's last modules (sharded state, sparse updates, steps per call,
+# the rest of the thread tests, XLA: about 75 CPU-s in all) after them. They must run late in a
+# long-lived process (after the training suite's fits: tests/training/test_threads.py), but
+# last they left one of make test's two processes idle for their 40-65 s (a 46 s tail).
+LATE_BEFORE = "tests/training/test_sharded_state.py"
+
+
+def _late_but_not_last(items: list[pytest.Item]) -> None:
+    """Moves the ``late`` tests to just before :data:`LATE_BEFORE`'s first test (pytest-xdist
+    hands tests out in this order), when that module is collected; else leaves the order."""
+    anchor = next((i for i, item in enumerate(items) if item.nodeid.startswith(LATE_BEFORE)), None)
+    late = [item for item in items if item.get_closest_marker("late") is not None]
+    if anchor is None or not late:
+        return
+    before = [item for item in items[:anchor] if item not in late]
+    after = [item for item in items[anchor:] if item not in late]
+    items[:] = before + late + after
 
 
 # What the marker gates refused since the test began, as (marker, what): code that catches a

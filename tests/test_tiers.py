@@ -38,8 +38,10 @@ def _suite(folder: Path, files: dict[str, str]) -> Path:
     (folder / "conftest.py").write_text(_CONFTEST)
     (folder / "pytest.ini").write_text(
         "[pytest]\nmarkers =\n    tf: t\n    multiprocess: m\n    slow: s\n    full: f\n"
+        "    late: l\n"
     )
     for name, text in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text(textwrap.dedent(text))
     return folder
 
@@ -137,6 +139,38 @@ def test_a_group_of_tests_runs_in_one_process_under_loadgroup(tmp_path: Path) ->
     assert len(ran) == 6, out
     workers = set(ran)
     assert len(workers) == 1, f"the group ran on {sorted(workers)} (pytest-dev/pytest-xdist#1386)"
+
+
+def test_late_tests_run_before_the_training_suites_last_modules(tmp_path: Path) -> None:
+    training = "tests/training/"
+    suite = _suite(
+        tmp_path,
+        {
+            f"{training}test_b.py": "def test_b():\n    pass\n",
+            f"{training}test_sharded_state.py": "def test_s():\n    pass\n",
+            f"{training}test_threads.py": """
+                import pytest
+
+                def test_other():
+                    pass
+
+                @pytest.mark.late
+                def test_repeated():
+                    pass
+            """,
+            f"{training}test_xla.py": "def test_x():\n    pass\n",
+        },
+    )
+    status, out = _pytest(suite, "--collect-only")
+    assert status == 0, out
+    collected = [line.split("::")[1] for line in out.splitlines() if "::" in line]
+    assert collected == ["test_b", "test_repeated", "test_s", "test_other", "test_x"], out
+    # Without LATE_BEFORE's module (a run of a few files) the order is pytest's own.
+    status, out = _pytest(suite, "--collect-only", f"{training}test_threads.py")
+    assert [line.split("::")[1] for line in out.splitlines() if "::" in line] == [
+        "test_other",
+        "test_repeated",
+    ], out
 
 
 def test_full_tests_leave_make_test_and_each_names_an_equivalent_it_runs(tmp_path: Path) -> None:

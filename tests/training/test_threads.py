@@ -4,9 +4,10 @@ fits run one after the other; fits and loops that share one strategy take turns 
 devices (``training/turns.py``: TensorFlow alone cannot read two distributed inputs over the
 same devices at once), and each gives its weights alone, 200 times over.
 
-The 200-repeat tests come last in this module, and this module after nearly every other
-in-process training module (pytest-xdist hands tests out in collection order), so that they
-run late in a long-lived pytest process, after the training suite's other fits and loops."""
+The 200-repeat tests are marked ``late``: the collection puts them after the training suite's
+other modules but its last few (tests/conftest.py, ``LATE_BEFORE``; pytest-xdist hands tests
+out in collection order), so that they run late in a long-lived pytest process, after the
+training suite's other fits and loops, while the other process runs those last modules."""
 
 from __future__ import annotations
 
@@ -189,6 +190,7 @@ def _repeated(
 
 
 @pytest.mark.slow
+@pytest.mark.late
 def test_two_fits_sharing_one_strategy_give_their_weights_alone_200_times() -> None:
     """Fits take turns from start to end. Without the turn they went wrong in 2 of 108
     repeats after the training suite; run alone in a fresh process, this test also passed
@@ -266,6 +268,7 @@ class _Loop:
 
 
 @pytest.mark.slow
+@pytest.mark.late
 def test_two_prepared_loops_sharing_one_strategy_give_their_weights_alone_200_times() -> None:
     """Without turns (TensorFlow alone, or prepared loops before turns.py) a loop got the
     other's batches or both hung in MultiDeviceIterator get_next within 40 repeats."""
