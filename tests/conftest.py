@@ -144,8 +144,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # Where the tests marked ``late`` (the 200-repeat thread tests) go: before this module, the
 # in-process training suite's last modules (sharded state, sparse updates, steps per call,
 # the rest of the thread tests, XLA: about 75 CPU-s in all) after them. They must run late in a
-# long-lived process (after the training suite's fits: tests/training/test_threads.py), but
-# last they left one of make test's two processes idle for their 40-65 s (a 46 s tail).
+# long-lived process (after the training suite's fits: tests/training/test_threads.py); run
+# last, they ended the suite alone (40-65 s), with the other pytest processes done.
 LATE_BEFORE = "tests/training/test_sharded_state.py"
 
 
