@@ -70,7 +70,6 @@ def test_bench_and_profile_commands_write_reports(tmp_path: Path) -> None:
     script.write_text(_SCRIPT)
     (tmp_path / "sub" / "neighbour.py").write_text("WIDTH = 64\n")
     (tmp_path / "tfit.py").write_text(_TFSCALE_FIT_SCRIPT)
-    (tmp_path / "crash.py").write_text(_CRASHING_SCRIPT)
     code = f"""
     import sys
     from tfscale.cli.main import main
@@ -80,8 +79,7 @@ def test_bench_and_profile_commands_write_reports(tmp_path: Path) -> None:
     profile = main(["profile", "--out", {str(tmp_path / "profile")!r}, "--trace-steps", "4,8",
                     "sub/train.py", "2"])
     tfit = main(["profile", "--out", {str(tmp_path / "tfit")!r}, "tfit.py"])
-    crash = main(["profile", "--no-compare", "--out", {str(tmp_path / "crash")!r}, "crash.py"])
-    sys.exit(bench * 1000 + profile * 100 + tfit * 10 + crash)
+    sys.exit(bench * 100 + profile * 10 + tfit)
     """
     done = run_python(
         code,
@@ -93,8 +91,7 @@ def test_bench_and_profile_commands_write_reports(tmp_path: Path) -> None:
         timeout=240,
         cwd=str(tmp_path),
     )
-    # The crashing script's own status (3) is the command's: the report does not hide it.
-    assert done.returncode == 3, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-3000:]
     # As for a user: no TensorFlow start-up chatter, from bench or from profile's child.
     lines = (done.stdout + done.stderr).splitlines()
     assert not [line for line in lines if is_chatter(line) or "oneDNN" in line]
@@ -170,6 +167,36 @@ def test_bench_and_profile_commands_write_reports(tmp_path: Path) -> None:
         two["examples_per_s"] / one["examples_per_s"]
     )
     assert any("Compared with the same script on 1 replica" in n for n in tfit["notes"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+# Three runs of a script (traced, traced again, untraced): make test has the same retries in
+# the 2-worker profile whose worker 0 aborts as its trace stops, and their judgement in-process.
+@pytest.mark.full(
+    "tests/profiling/test_stragglers.py::"
+    "test_profile_of_two_workers_names_the_one_whose_input_sleeps",
+    "tests/profiling/test_stragglers.py::test_a_crash_while_traced_is_told_from_other_failures",
+)
+def test_profile_of_a_script_that_crashes_while_traced_and_exits_3(tmp_path: Path) -> None:
+    (tmp_path / "crash.py").write_text(_CRASHING_SCRIPT)
+    code = f"""
+    import sys
+    from tfscale.cli.main import main
+    sys.exit(main(["profile", "--no-compare", "--out", {str(tmp_path / "crash")!r}, "crash.py"]))
+    """
+    done = run_python(
+        code,
+        env={
+            "TFSCALE_VIRTUAL_DEVICES": "2",
+            "TF_CPP_MIN_LOG_LEVEL": "",
+            "TF_ENABLE_ONEDNN_OPTS": "",
+        },
+        timeout=240,
+        cwd=str(tmp_path),
+    )
+    # The crashing script's own status (3) is the command's: the report does not hide it.
+    assert done.returncode == 3, done.stderr[-3000:]
     # A script that exits 3 after training: status 3 recorded, its steps still reported.
     crash = json.loads((tmp_path / "crash" / "report.json").read_text())
     assert crash["settings"]["exit_status"] == 3
