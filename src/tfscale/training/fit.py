@@ -186,9 +186,9 @@ def _steps_per_execution(model: Any, value: int | None) -> Iterator[None]:
 AUTO_STEPS_PER_EXECUTION = 16
 # ... and only in a fit of at least this many steps: tracing the call's while loop costs a
 # small model on 2 replicas about 0.05 CPU-s more than one step per call, which the loop's
-# fewer calls win back at about 128 steps (benchmarks/fit_cost.py --steps-per-call: 0.59 vs
-# 0.64 CPU-s at 16 steps, 0.77 vs 0.76 at 128, 0.97 vs 0.96 at 256). A shorter fit (a sweep's,
-# a TaskPool's) would pay for a loop it does not use.
+# fewer calls win back between 64 and 128 steps (benchmarks/fit_cost.py --steps-per-call, two
+# runs: 0.59 vs 0.64 CPU-s at 16 steps, 0.68 vs 0.69 at 64, 0.77-0.83 vs 0.76-0.79 at 128). A
+# shorter fit (a sweep's, a TaskPool's) would pay for a loop it does not use.
 AUTO_MIN_STEPS = 128
 
 
