@@ -299,8 +299,9 @@ def fit(
             ``tfscale.choose_strategy()``.
         steps_per_execution: Steps per compiled call for this fit; None keeps compile()'s,
             or runs :data:`AUTO_STEPS_PER_EXECUTION` where that changes nothing but the
-            time (no callback watches batches, no validation: see
-            :func:`auto_steps_per_execution`); 1 runs one step per call. An argument of
+            time (no callback watches batches, no validation, at least
+            :data:`AUTO_MIN_STEPS` steps: see :func:`auto_steps_per_execution`); 1 runs one
+            step per call. An argument of
             this run, as ``checkpoint_dir``, rather than an option of the update: not in
             :class:`tfscale.Options`.
         checkpoint_dir: Folder (or :class:`CheckpointConfig`) to save to every epoch and
