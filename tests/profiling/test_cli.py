@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tfscale.processes import Completed
 from tfscale.profiling.projection import interconnect, project
 from tfscale.runtime.chatter import is_chatter
 from tfscale.testing import run_python
@@ -60,6 +61,25 @@ _CRASHING_SCRIPT = textwrap.dedent(
 )
 
 
+def _commands(code: str, folder: Path) -> Completed:
+    """Runs ``code`` (tfscale commands through ``main``) in a fresh process on 2 logical CPUs,
+    in ``folder``, with TensorFlow's logging at its defaults, as for a user; fails on any
+    TensorFlow start-up chatter it prints, from the commands or from profile's children."""
+    done = run_python(
+        code,
+        env={
+            "TFSCALE_VIRTUAL_DEVICES": "2",
+            "TF_CPP_MIN_LOG_LEVEL": "",
+            "TF_ENABLE_ONEDNN_OPTS": "",
+        },
+        timeout=240,
+        cwd=str(folder),
+    )
+    lines = (done.stdout + done.stderr).splitlines()
+    assert not [line for line in lines if is_chatter(line) or "oneDNN" in line]
+    return done
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_bench_and_profile_commands_write_reports(tmp_path: Path) -> None:
@@ -81,20 +101,8 @@ def test_bench_and_profile_commands_write_reports(tmp_path: Path) -> None:
     tfit = main(["profile", "--out", {str(tmp_path / "tfit")!r}, "tfit.py"])
     sys.exit(bench * 100 + profile * 10 + tfit)
     """
-    done = run_python(
-        code,
-        env={
-            "TFSCALE_VIRTUAL_DEVICES": "2",
-            "TF_CPP_MIN_LOG_LEVEL": "",
-            "TF_ENABLE_ONEDNN_OPTS": "",
-        },
-        timeout=240,
-        cwd=str(tmp_path),
-    )
+    done = _commands(code, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    # As for a user: no TensorFlow start-up chatter, from bench or from profile's child.
-    lines = (done.stdout + done.stderr).splitlines()
-    assert not [line for line in lines if is_chatter(line) or "oneDNN" in line]
     # bench says what it measured as it goes, one line per configuration (no terminal here:
     # the progress bar is not drawn, the lines are).
     assert "Measuring mlp on CPU" in done.stderr
@@ -185,16 +193,7 @@ def test_profile_of_a_script_that_crashes_while_traced_and_exits_3(tmp_path: Pat
     from tfscale.cli.main import main
     sys.exit(main(["profile", "--no-compare", "--out", {str(tmp_path / "crash")!r}, "crash.py"]))
     """
-    done = run_python(
-        code,
-        env={
-            "TFSCALE_VIRTUAL_DEVICES": "2",
-            "TF_CPP_MIN_LOG_LEVEL": "",
-            "TF_ENABLE_ONEDNN_OPTS": "",
-        },
-        timeout=240,
-        cwd=str(tmp_path),
-    )
+    done = _commands(code, tmp_path)
     # The crashing script's own status (3) is the command's: the report does not hide it.
     assert done.returncode == 3, done.stderr[-3000:]
     # A script that exits 3 after training: status 3 recorded, its steps still reported.
