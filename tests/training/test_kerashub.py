@@ -60,8 +60,13 @@ def _fit_param(case: Case) -> Any:
     optimizer's own step, which the parity suite's SGD cases cover on other models)."""
     if case.name.endswith("_adam") or case.name.startswith(_OWN_METHODS):
         return param(case)
-    same = f"{_FIT_TEST}[{case.name.removesuffix('_sgd')}_adam]"
-    return pytest.param(case, id=case.name, marks=pytest.mark.full(same))
+    return pytest.param(case, id=case.name, marks=pytest.mark.full(_adam_fit(case)))
+
+
+def _adam_fit(case: Case) -> str:
+    """The ``make test`` node id of the case's model trained with Adam by ``tfscale.fit``."""
+    model = case.name.removesuffix("_sgd").removesuffix("_adam")
+    return f"{_FIT_TEST}[{model}_adam]"
 
 
 @pytest.mark.parametrize("case", [_fit_param(case) for case in CASES])
@@ -76,8 +81,7 @@ def _prepared_param(case: Case) -> Any:
     class)."""
     if case.name.startswith(_OWN_METHODS):
         return param(case)
-    same = f"{_FIT_TEST}[{case.name.removesuffix('_sgd').removesuffix('_adam')}_adam]"
-    return pytest.param(case, id=case.name, marks=pytest.mark.full(same))
+    return pytest.param(case, id=case.name, marks=pytest.mark.full(_adam_fit(case)))
 
 
 @pytest.mark.parametrize("case", [_prepared_param(case) for case in CASES])
