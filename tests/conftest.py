@@ -29,7 +29,7 @@ from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # One thread per TensorFlow op, in this process and every child it starts (workers, scripts):
-# two pytest processes and their children share 2 cores, and TensorFlow's default per-op
+# the pytest processes and their children share 2 cores, and TensorFlow's default per-op
 # thread pool (one thread per core, spinning while it waits) made the same tests take 3x the
 # wall time for the same CPU time (test_custom_loops.py: 147 s against 52 s, 42 s of CPU both).
 # Results compared within a test run under the same setting.
