@@ -278,12 +278,12 @@ ROUNDING = {
         "rounding up: one device's own graph and eager fits differ by 1.6e-5 there",
     ),
     "vit_classifier_adam": (
-        1e-4,
+        5e-5,
         "the batch's gradient summed from two halves rounds differently, and Adam's "
         "normalisation scales that up in the MLP's output kernel: on an Intel Xeon host one "
         "device accumulating the two half-batches' gradients (Keras's "
         "gradient_accumulation_steps=2) differs from its own full-batch fit by 1.36e-5 there, "
-        "2 replicas by 1.33e-5 (an AMD EPYC host: both under 1e-5)",
+        "2 replicas by 1.33e-5 (an AMD EPYC host: both under 1e-5); 5e-5 leaves that 3.7x",
     ),
 }
 
