@@ -126,18 +126,20 @@ test-lowest:
 	PYTHONPATH=$(CURDIR)/src $(LOWEST_VENV)/bin/python -m pytest -q -n 2 --dist loadgroup \
 		-p no:cacheprovider $(LOWEST_TESTS)
 
-# The next Keras: TensorFlow's newest release with Keras's newest pre-release, pinned so that a
-# run can be repeated (tests/test_versions.py holds it at or past pyproject.toml's cap on keras,
-# and TensorFlow at the newest minor it allows). The pre-release is another distribution,
-# keras-nightly, that writes the same `keras` module: the release that tfscale's and
-# TensorFlow's requirement on `keras` would pull beside it is excluded from the resolution, and
-# the check line below fails where a `keras` release is in the virtualenv all the same (an older
-# one of this tier: remove $(NEXT_VENV)). What runs there is what a Keras upgrade breaks first:
-# the private names and per-instance overrides (test_internals) and the whole parity and
-# equivalence suites. Like test-lowest, the virtualenv lives outside the clone and the tests
-# import this clone's src first.
+# The next Keras and TensorFlow: Keras's newest pre-release, with TensorFlow's next minor where
+# a pre-release of it is out (2.22.0rc0, which itself requires keras-nightly) or else its newest
+# release, pinned so that a run can be repeated (tests/test_versions.py holds both past
+# pyproject.toml's caps, or TensorFlow at the newest minor they allow). The Keras pre-release is
+# another distribution, keras-nightly, that writes the same `keras` module: the release that
+# tfscale's and TensorFlow's requirement on `keras` would pull beside it is excluded from the
+# resolution, and the check line below fails where a `keras` release is in the virtualenv all
+# the same (an older one of this tier: remove $(NEXT_VENV)). TensorFlow comes from the pin, not
+# the `cpu` extra, whose cap would refuse a pre-release past it. What runs there is what an
+# upgrade breaks first: the private names and per-instance overrides (test_internals) and the
+# whole parity and equivalence suites. Like test-lowest, the virtualenv lives outside the clone
+# and the tests import this clone's src first.
 NEXT_VENV ?= $(HOME)/.cache/tfscale/venv-next
-NEXT := tensorflow-cpu==2.21.0 keras-nightly==3.16.0.dev2026102704
+NEXT := tensorflow-cpu==2.22.0rc0 keras-nightly==3.16.0.dev2026102704
 NEXT_TESTS := tests/interop/test_internals.py tests/training/test_parity.py \
 	tests/training/test_parity_examples.py tests/training/test_equivalence.py
 
@@ -146,7 +148,7 @@ test-next:
 	$(NEXT_VENV)/bin/python -m pip install --quiet uv
 	echo keras > $(NEXT_VENV)/excluded.txt
 	$(NEXT_VENV)/bin/$(UV_INSTALL) --python $(NEXT_VENV)/bin/python \
-		--excludes $(NEXT_VENV)/excluded.txt --reinstall-package tfscale ".[cpu,dev]" $(NEXT)
+		--excludes $(NEXT_VENV)/excluded.txt --reinstall-package tfscale ".[dev]" $(NEXT)
 	PYTHONPATH=$(CURDIR)/src $(NEXT_VENV)/bin/python -c \
 		"import tensorflow as tf, keras, tfscale; from importlib import metadata as m; \
 		dists = {d.metadata['Name'].lower() for d in m.distributions()}; \
