@@ -141,24 +141,35 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     _late_but_not_last(items)
 
 
-# Where the tests marked ``late`` (the 200-repeat thread tests) go: before this module, the
-# in-process training suite's last modules (sharded state, sparse updates, steps per call,
-# the rest of the thread tests, XLA: about 75 CPU-s in all) after them. They must run late in a
-# long-lived process (after the training suite's fits: tests/training/test_threads.py); run
-# last, they ended the suite alone (40-65 s), with the other pytest processes done.
-LATE_BEFORE = "tests/training/test_sharded_state.py"
+# Where the tests marked ``late`` (the 200-repeat thread tests) go, one before each of these
+# modules in turn (the last takes any more): the in-process training suite's last modules run
+# after and between them (sharded state, sparse updates, steps per call, the rest of the thread
+# tests, XLA: about 75 CPU-s in all). They must run late in a long-lived process (after the
+# training suite's fits: tests/training/test_threads.py); run last, they ended the suite alone
+# (40-65 s), with the other pytest processes done. Both before one module, the second waited
+# 176 s behind the first (pytest-xdist queues two more tests on a busy process) and ran alone
+# for the suite's last 81 s (a `make test` with a per-test recorder); with the modules between
+# them, the other processes take those modules and then the second.
+LATE_BEFORE = ("tests/training/test_sharded_state.py", "tests/training/test_xla.py")
 
 
 def _late_but_not_last(items: list[pytest.Item]) -> None:
-    """Moves the ``late`` tests to just before :data:`LATE_BEFORE`'s first test (pytest-xdist
-    hands tests out in this order), when that module is collected; else leaves the order."""
-    anchor = next((i for i, item in enumerate(items) if item.nodeid.startswith(LATE_BEFORE)), None)
+    """Moves the ``late`` tests, in their order, each to just before the first test of the
+    next :data:`LATE_BEFORE` module collected (pytest-xdist hands tests out in this order; the
+    last module takes the rest); where none of them is collected, leaves the order."""
     late = [item for item in items if item.get_closest_marker("late") is not None]
-    if anchor is None or not late:
+    rest = [item for item in items if item.get_closest_marker("late") is None]
+    anchors = [
+        next(i for i, item in enumerate(rest) if item.nodeid.startswith(module))
+        for module in LATE_BEFORE
+        if any(item.nodeid.startswith(module) for item in rest)
+    ]
+    if not anchors or not late:
         return
-    before = [item for item in items[:anchor] if item not in late]
-    after = [item for item in items[anchor:] if item not in late]
-    items[:] = before + late + after
+    placed: dict[int, list[pytest.Item]] = {}
+    for index, item in enumerate(late):
+        placed.setdefault(anchors[min(index, len(anchors) - 1)], []).append(item)
+    items[:] = [moved for i, item in enumerate(rest) for moved in [*placed.get(i, []), item]]
 
 
 # What the marker gates refused since the test began, as (marker, what): code that catches a

@@ -157,6 +157,14 @@ def test_late_tests_run_before_the_training_suites_last_modules(tmp_path: Path) 
                 @pytest.mark.late
                 def test_repeated():
                     pass
+
+                @pytest.mark.late
+                def test_repeated_too():
+                    pass
+
+                @pytest.mark.late
+                def test_repeated_third():
+                    pass
             """,
             f"{training}test_xla.py": "def test_x():\n    pass\n",
         },
@@ -164,12 +172,34 @@ def test_late_tests_run_before_the_training_suites_last_modules(tmp_path: Path) 
     status, out = _pytest(suite, "--collect-only")
     assert status == 0, out
     collected = [line.split("::")[1] for line in out.splitlines() if "::" in line]
-    assert collected == ["test_b", "test_repeated", "test_s", "test_other", "test_x"], out
-    # Without LATE_BEFORE's module (a run of a few files) the order is pytest's own.
+    # One before each LATE_BEFORE module in turn, the last taking the rest.
+    assert collected == [
+        "test_b",
+        "test_repeated",
+        "test_s",
+        "test_other",
+        "test_repeated_too",
+        "test_repeated_third",
+        "test_x",
+    ], out
+    # With one of the modules collected, all go before it.
+    status, out = _pytest(
+        suite, "--collect-only", f"{training}test_threads.py", f"{training}test_xla.py"
+    )
+    assert [line.split("::")[1] for line in out.splitlines() if "::" in line] == [
+        "test_other",
+        "test_repeated",
+        "test_repeated_too",
+        "test_repeated_third",
+        "test_x",
+    ], out
+    # Without a LATE_BEFORE module (a run of a few files) the order is pytest's own.
     status, out = _pytest(suite, "--collect-only", f"{training}test_threads.py")
     assert [line.split("::")[1] for line in out.splitlines() if "::" in line] == [
         "test_other",
         "test_repeated",
+        "test_repeated_too",
+        "test_repeated_third",
     ], out
 
 
