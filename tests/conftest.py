@@ -144,13 +144,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # Where the tests marked ``late`` (the 200-repeat thread tests) go, one before each of these
 # modules in turn (the last takes any more): the in-process training suite's last modules run
 # after and between them (sharded state, sparse updates, steps per call, the rest of the thread
-# tests, XLA: about 75 CPU-s in all). They must run late in a long-lived process (after the
+# tests, XLA: about 150 CPU-s in all). They must run late in a long-lived process (after the
 # training suite's fits: tests/training/test_threads.py); run last, they ended the suite alone
 # (40-65 s), with the other pytest processes done. Both before one module, the second waited
 # 176 s behind the first (pytest-xdist queues two more tests on a busy process) and ran alone
-# for the suite's last 81 s (a `make test` with a per-test recorder); with the modules between
-# them, the other processes take those modules and then the second.
-LATE_BEFORE = ("tests/training/test_sharded_state.py", "tests/training/test_xla.py")
+# for the suite's last 81 s (a `make test` with a per-test recorder); 44 tests apart (before
+# XLA's), it started 114 s after the first and still ran alone for the last 41 s. With the
+# sharded-state module between them, the other processes take that module and then the second.
+LATE_BEFORE = ("tests/training/test_sharded_state.py", "tests/training/test_sparse_updates.py")
 
 
 def _late_but_not_last(items: list[pytest.Item]) -> None:

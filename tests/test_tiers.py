@@ -148,6 +148,7 @@ def test_late_tests_run_before_the_training_suites_last_modules(tmp_path: Path) 
         {
             f"{training}test_b.py": "def test_b():\n    pass\n",
             f"{training}test_sharded_state.py": "def test_s():\n    pass\n",
+            f"{training}test_sparse_updates.py": "def test_sp():\n    pass\n",
             f"{training}test_threads.py": """
                 import pytest
 
@@ -169,38 +170,38 @@ def test_late_tests_run_before_the_training_suites_last_modules(tmp_path: Path) 
             f"{training}test_xla.py": "def test_x():\n    pass\n",
         },
     )
-    status, out = _pytest(suite, "--collect-only")
-    assert status == 0, out
-    collected = [line.split("::")[1] for line in out.splitlines() if "::" in line]
+
+    def order(*paths: str) -> list[str]:
+        status, out = _pytest(suite, "--collect-only", *paths)
+        assert status == 0, out
+        return [line.split("::")[1] for line in out.splitlines() if "::" in line]
+
     # One before each LATE_BEFORE module in turn, the last taking the rest.
-    assert collected == [
+    assert order() == [
         "test_b",
         "test_repeated",
         "test_s",
-        "test_other",
         "test_repeated_too",
         "test_repeated_third",
+        "test_sp",
+        "test_other",
         "test_x",
-    ], out
+    ]
     # With one of the modules collected, all go before it.
-    status, out = _pytest(
-        suite, "--collect-only", f"{training}test_threads.py", f"{training}test_xla.py"
-    )
-    assert [line.split("::")[1] for line in out.splitlines() if "::" in line] == [
-        "test_other",
+    assert order(f"{training}test_sparse_updates.py", f"{training}test_threads.py") == [
         "test_repeated",
         "test_repeated_too",
         "test_repeated_third",
-        "test_x",
-    ], out
+        "test_sp",
+        "test_other",
+    ]
     # Without a LATE_BEFORE module (a run of a few files) the order is pytest's own.
-    status, out = _pytest(suite, "--collect-only", f"{training}test_threads.py")
-    assert [line.split("::")[1] for line in out.splitlines() if "::" in line] == [
+    assert order(f"{training}test_threads.py") == [
         "test_other",
         "test_repeated",
         "test_repeated_too",
         "test_repeated_third",
-    ], out
+    ]
 
 
 def test_full_tests_leave_make_test_and_each_names_an_equivalent_it_runs(tmp_path: Path) -> None:
