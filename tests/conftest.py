@@ -151,8 +151,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # for the suite's last 81 s (a `make test` with a per-test recorder); 44 tests apart (before
 # XLA's), it started 114 s after the first and still ran alone for the last 41 s. With the
 # sharded-state module between them, another process took the second 60 s after the first
-# began, and the three processes ended within 16 s of each other (make test 953 s, against
-# 1,001 s with XLA's module as the second's place, the host as fast).
+# began, and the three processes ended within 16 s of each other, none alone for more than 2 s.
 LATE_BEFORE = ("tests/training/test_sharded_state.py", "tests/training/test_sparse_updates.py")
 
 
