@@ -161,11 +161,11 @@ def _late_but_not_last(items: list[pytest.Item]) -> None:
     last module takes the rest); where none of them is collected, leaves the order."""
     late = [item for item in items if item.get_closest_marker("late") is not None]
     rest = [item for item in items if item.get_closest_marker("late") is None]
-    anchors = [
-        next(i for i, item in enumerate(rest) if item.nodeid.startswith(module))
+    firsts = (
+        next((i for i, item in enumerate(rest) if item.nodeid.startswith(module)), None)
         for module in LATE_BEFORE
-        if any(item.nodeid.startswith(module) for item in rest)
-    ]
+    )
+    anchors = [i for i in firsts if i is not None]
     if not anchors or not late:
         return
     placed: dict[int, list[pytest.Item]] = {}
