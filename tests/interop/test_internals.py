@@ -9,6 +9,7 @@ outside ``interop/internals.py`` reaches a private name.
 from __future__ import annotations
 
 import ast
+import gc
 import threading
 import weakref
 from pathlib import Path
@@ -599,6 +600,69 @@ def test_strategy_supports_no_merge_call() -> None:
              "strategy_supports_no_merge_call", "training.optimizer")  # fmt: skip
     with mirrored_on_cpus(2).scope():
         assert internals.strategy_supports_no_merge_call() is False
+
+
+def test_all_reduce_and_all_gather_without_gradient_give_tensorflows_results() -> None:
+    # The no-merge_call path (MultiWorkerMirrored) runs in the worker-process tests.
+    _require(_collective_extended(), "_replica_ctx_all_reduce", "all_reduce_without_gradient",
+             "training.allreduce")  # fmt: skip
+    strategy = mirrored_on_cpus(2)
+    _require(strategy.extended, "_batch_gather_to", "all_gather_without_gradient",
+             "training.sharding")  # fmt: skip
+
+    def run(kind: str) -> bool:
+        """Runs one traced step of ``kind``'s collectives; True when its graph was freed."""
+        graphs: list[Any] = []
+
+        @tf.function  # type: ignore[misc]
+        def step() -> Any:
+            graphs.append(weakref.ref(tf.compat.v1.get_default_graph()))
+
+            def replica() -> Any:
+                context = tf.distribute.get_replica_context()
+                k = tf.cast(context.replica_id_in_sync_group, tf.float32) + 1.0
+                dense = k * tf.constant([1.0, 2.0])
+                rows = tf.IndexedSlices(k * tf.ones([1, 2]), tf.constant([1]), tf.constant([3, 2]))
+                if kind == "tfscale":
+                    summed = internals.all_reduce_without_gradient(context, "SUM", [dense])[0]
+                    sparse = internals.all_reduce_without_gradient(context, "SUM", [rows])[0]
+                    gathered = internals.all_gather_without_gradient(context, dense, 0)
+                    return summed, tf.convert_to_tensor(sparse), gathered
+                if kind == "all_reduce":
+                    sparse = context.all_reduce("SUM", [rows])[0]
+                    return context.all_reduce("SUM", dense), tf.convert_to_tensor(sparse)
+                return (context.all_gather(dense, axis=0),)
+
+            return strategy.run(replica)
+
+        results = [[v.numpy() for v in strategy.experimental_local_results(t)] for t in step()]
+        expected = {
+            "tfscale": [[3.0, 6.0], [[0, 0], [3, 3], [0, 0]], [1.0, 2.0, 2.0, 4.0]],
+            "all_reduce": [[3.0, 6.0], [[0, 0], [3, 3], [0, 0]]],
+            "all_gather": [[1.0, 2.0, 2.0, 4.0]],
+        }[kind]
+        for got, want in zip(results, expected, strict=True):
+            for replica in range(2):
+                np.testing.assert_array_equal(got[replica], want)
+        del step
+        gc.collect()
+        return graphs[0]() is None
+
+    assert run("tfscale")
+    # TensorFlow's own methods wrap the collective in a tf.custom_gradient whose gradient
+    # function, kept in the process-wide gradient registry, holds the step's graph
+    # (tensorflow/tensorflow#97697): all_reduce's up to 2.21 (2.22.0rc0 frees it), and
+    # all_gather's still on 2.22.0rc0 (its gradient closes over the inputs). Once the lowest
+    # supported TensorFlow frees both, the two accessors can give way to ReplicaContext's.
+    fixed = tuple(int(p) for p in tf.__version__.split(".")[:2]) >= (2, 22)
+    assert run("all_reduce") is fixed
+    assert run("all_gather") is False, "all_gather frees its graph now: see the comment"
+
+
+def _collective_extended() -> type:
+    from tensorflow.python.distribute import collective_all_reduce_strategy
+
+    return collective_all_reduce_strategy.CollectiveAllReduceExtended
 
 
 # -- what tfscale replaces on an instance or in its class -------------------------------------

@@ -27,6 +27,8 @@ from tfscale.interop import registry
 
 __all__ = [
     "DEFAULT_STRATEGY_CLASS",
+    "all_gather_without_gradient",
+    "all_reduce_without_gradient",
     "atomic_variable_updates",
     "autocast",
     "autocast_dtype",
@@ -758,6 +760,56 @@ def strategy_supports_no_merge_call() -> bool:
 
     supports: Callable[[], bool] = tf.__internal__.distribute.strategy_supports_no_merge_call
     return bool(supports())
+
+
+def _batch_destination(value: Any) -> Any:
+    """Where a batched collective leaves ``value``'s result: TensorFlow's own choice in
+    ``ReplicaContext.all_reduce`` / ``all_gather`` (``distribute_lib._batch_reduce_destination``):
+    a plain tensor's device (one device), else the distributed value itself (each replica's)."""
+    import tensorflow as tf
+
+    return value.device if isinstance(value, tf.Tensor) else value
+
+
+def all_reduce_without_gradient(context: Any, reduce_op: Any, values: Sequence[Any]) -> list[Any]:
+    """``ReplicaContext.all_reduce(reduce_op, values)`` without its ``tf.custom_gradient``.
+
+    TensorFlow wraps the all-reduce of dense tensors in a ``tf.custom_gradient``, which in a
+    traced function registers a gradient function in TensorFlow's process-wide gradient
+    registry that holds the result tensors, so the whole traced step (its graph, its nested
+    functions, the optimizer's update on every replica) stays alive for the life of the
+    process: every fit of a fresh model kept about 3 MiB, and its branch functions stayed in
+    the eager context (tensorflow/tensorflow#97697, fixed after TensorFlow 2.21 by
+    tensorflow/tensorflow#109334). tfscale reduces gradients, which are never differentiated
+    again, so the same collectives are created as TensorFlow creates them, minus the wrapper:
+    ``merge_call`` + ``batch_reduce_to`` where the strategy needs ``merge_call``, else the
+    strategy's replica-context all-reduce (private: ``_replica_ctx_all_reduce``), as
+    ``ReplicaContext.all_reduce`` itself does. (``training/allreduce.py``.)
+    """
+    values = list(values)
+    strategy = context.strategy
+    if strategy_supports_no_merge_call():
+        return list(strategy.extended._replica_ctx_all_reduce(reduce_op, values))
+
+    def reduce(distribution: Any, *flat: Any) -> Any:
+        pairs = [(value, _batch_destination(value)) for value in flat]
+        return distribution.extended.batch_reduce_to(reduce_op, pairs)
+
+    return list(context.merge_call(reduce, args=tuple(values)))
+
+
+def all_gather_without_gradient(context: Any, value: Any, axis: int) -> Any:
+    """``ReplicaContext.all_gather(value, axis)`` of one dense tensor without its
+    ``tf.custom_gradient`` (which keeps the traced step alive: see
+    :func:`all_reduce_without_gradient`): TensorFlow's own ``merge_call`` to the strategy's
+    batched gather (private: ``_batch_gather_to``). (``training/sharding.py``.)
+    """
+
+    def gather(distribution: Any, flat: Any) -> Any:
+        pairs = [(flat, _batch_destination(flat))]
+        return distribution.extended._batch_gather_to(pairs, axis)[0]
+
+    return context.merge_call(gather, args=(value,))
 
 
 #: ``type(tf.distribute.get_strategy()).__name__`` outside every scope: TensorFlow's private

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tfscale.interop.internals import cross_device_ops
+from tfscale.interop.internals import all_reduce_without_gradient, cross_device_ops
 from tfscale.profiling import metrics
 
 __all__ = ["DEFAULT_SIZES", "CollectiveResult", "benchmark_allreduce"]
@@ -85,7 +85,9 @@ def benchmark_allreduce(
             # MultiWorkerMirroredStrategy an all-reduce of a function input that has no
             # device fails with "destinations can not be empty".
             placed = [tf.identity(value) for value in values]
-            return tf.distribute.get_replica_context().all_reduce("sum", placed)
+            # The update's own all-reduce (training/allreduce.py), which frees its graph.
+            context = tf.distribute.get_replica_context()
+            return all_reduce_without_gradient(context, tf.distribute.ReduceOp.SUM, placed)
 
         return strategy.run(replica, args=tuple(buffers))
 

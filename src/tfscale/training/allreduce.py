@@ -26,6 +26,7 @@ from typing import Any, Literal
 import tensorflow as tf
 
 from tfscale.errors import TrainingError, explain
+from tfscale.interop import internals
 
 __all__ = [
     "ALL_REDUCE_SCOPE",
@@ -140,10 +141,11 @@ def _reduce_packed(
     # One call per dtype: MultiWorkerMirroredStrategy's collective implementation packs the
     # tensors of one call into one buffer, which fails for mixed dtypes.
     reduced = [
-        context.all_reduce(
+        internals.all_reduce_without_gradient(
+            context,
             tf.distribute.ReduceOp.SUM,
-            tf.concat([tf.reshape(values[i], [-1]) for i in indices], axis=0),
-        )
+            [tf.concat([tf.reshape(values[i], [-1]) for i in indices], axis=0)],
+        )[0]
         for indices in groups.values()
     ]
     out: list[Any] = [None] * len(values)
@@ -207,7 +209,9 @@ def all_reduce_packed(
             ):
                 out[index] = tf.cast(summed, values[index].dtype)
         if sparse:
-            gathered = context.all_reduce(tf.distribute.ReduceOp.SUM, [values[i] for i in sparse])
+            gathered = internals.all_reduce_without_gradient(
+                context, tf.distribute.ReduceOp.SUM, [values[i] for i in sparse]
+            )
             for index, slices in zip(sparse, gathered, strict=True):
                 out[index] = slices
     return out

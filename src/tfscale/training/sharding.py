@@ -332,7 +332,9 @@ class ShardedState:
         for positions in by_dtype.values():
             widths = [int(shards[i].shape[0]) for i in positions]
             packed = tf.concat([shards[i].read_value() for i in positions], axis=0)
-            gathered = tf.reshape(context.all_gather(packed, axis=0), [self.replicas, -1])
+            gathered = tf.reshape(
+                internals.all_gather_without_gradient(context, packed, 0), [self.replicas, -1]
+            )
             for i, part in zip(positions, tf.split(gathered, widths, axis=1), strict=True):
                 shape = like[i].shape
                 out[i] = tf.reshape(tf.reshape(part, [-1])[: _size(like[i])], shape)
