@@ -12,17 +12,23 @@ side's median and the median of the per-round ratios. Both fits start from the s
 weights and read the same batches, and their weights are compared (relative difference).
 
     python benchmarks/fit_cost.py [--repeats 5] [--profile tfscale|keras] [--steps-per-call]
+                                  [--sweep N]
 
 ``--profile`` runs cProfile over one more fit of that side (a fresh model after the rounds)
 and prints the 40 functions with the most cumulative time. ``--steps-per-call`` adds the
 measurement behind ``fit.AUTO_MIN_STEPS``: tfscale.fit's CPU seconds at one and at 16 steps
 per call for fits of 16 to 256 steps (2 to 32 epochs of 8 batches), same rounds and medians.
+``--sweep N`` adds what a sweep of fits in one process keeps: each side in turn makes N fresh
+fits, and the table shows the process's resident memory growth per fit over them and the graphs
+(``FuncGraph``) its fits left alive; Keras's ``model.fit`` under the same MirroredStrategy is a
+third side.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import os
 import pstats
 import statistics
@@ -83,6 +89,41 @@ def _cpu(run: Callable[[], Any]) -> tuple[float, Any]:
     return time.process_time() - start, result
 
 
+def _keras_mirrored_fit(strategy: tf.distribute.Strategy) -> Callable[..., keras.Model]:
+    def fit(x: np.ndarray, y: np.ndarray, initial: list[np.ndarray]) -> keras.Model:
+        model = _model(strategy)
+        model.set_weights(initial)
+        model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+        return model
+
+    return fit
+
+
+def _resident_mib() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _graphs() -> set[int]:
+    return {id(o) for o in gc.get_objects() if type(o).__name__ == "FuncGraph"}
+
+
+def _sweep(
+    sides: dict[str, Callable[..., keras.Model]], x: Any, y: Any, initial: Any, n: int
+) -> None:
+    print(f"\n{n} fresh fits per side in turn, one process (resident memory, Linux /proc)")
+    print("| fit | MiB per fit | graphs left alive by its fits |\n| --- | --- | --- |")
+    for name, fit in sides.items():
+        fit(x, y, initial)  # its first fit: what is made once per process
+        gc.collect()
+        graphs, start = _graphs(), _resident_mib()
+        for _ in range(n):
+            fit(x, y, initial)
+        gc.collect()
+        left = len(_graphs() - graphs)
+        print(f"| {name} | {(_resident_mib() - start) / n:.2f} | {left} |")
+
+
 def _steps_per_call(
     strategy: tf.distribute.Strategy,
     x: np.ndarray,
@@ -108,6 +149,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--profile", choices=("tfscale", "keras"))
     parser.add_argument("--steps-per-call", action="store_true")
+    parser.add_argument("--sweep", type=int, default=0, metavar="N")
     args = parser.parse_args()
     strategy = mirrored_on_cpus(2)
     x, y = synthetic_classification(EXAMPLES, FEATURES, CLASSES, seed=7)
@@ -142,6 +184,9 @@ def main() -> None:
     print(f"weights: relative difference {difference:.1e}")
     if args.steps_per_call:
         _steps_per_call(strategy, x, y, initial, args.repeats)
+    if args.sweep:
+        swept = {**sides, "keras model.fit, MirroredStrategy": _keras_mirrored_fit(strategy)}
+        _sweep(swept, x, y, initial, args.sweep)
     if args.profile:
         fit = sides[keras_name if args.profile == "keras" else tfscale_name]
         profiler = cProfile.Profile()
