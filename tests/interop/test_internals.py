@@ -624,7 +624,7 @@ def test_all_reduce_and_all_gather_without_gradient_give_tensorflows_results() -
                 dense = k * tf.constant([1.0, 2.0])
                 rows = tf.IndexedSlices(k * tf.ones([1, 2]), tf.constant([1]), tf.constant([3, 2]))
                 if kind == "tfscale":
-                    summed = internals.all_reduce_without_gradient(context, "SUM", [dense])[0]
+                    summed = internals.all_reduce_without_gradient(context, "sum", [dense])[0]
                     sparse = internals.all_reduce_without_gradient(context, "SUM", [rows])[0]
                     gathered = internals.all_gather_without_gradient(context, dense, 0)
                     return summed, tf.convert_to_tensor(sparse), gathered

@@ -786,6 +786,10 @@ def all_reduce_without_gradient(context: Any, reduce_op: Any, values: Sequence[A
     strategy's replica-context all-reduce (private: ``_replica_ctx_all_reduce``), as
     ``ReplicaContext.all_reduce`` itself does. (``training/allreduce.py``.)
     """
+    import tensorflow as tf
+
+    if isinstance(reduce_op, str):  # "sum" / "SUM", as ReplicaContext.all_reduce takes it
+        reduce_op = tf.distribute.ReduceOp(reduce_op.upper())
     values = list(values)
     strategy = context.strategy
     if strategy_supports_no_merge_call():
