@@ -778,10 +778,12 @@ def all_reduce_without_gradient(context: Any, reduce_op: Any, values: Sequence[A
     traced function registers a gradient function in TensorFlow's process-wide gradient
     registry that holds the result tensors, so the whole traced step (its graph, its nested
     functions, the optimizer's update on every replica) stays alive for the life of the
-    process: every fit of a fresh model kept about 3 MiB, and its branch functions stayed in
-    the eager context (tensorflow/tensorflow#97697, fixed after TensorFlow 2.21 by
-    tensorflow/tensorflow#109334). tfscale reduces gradients, which are never differentiated
-    again, so the same collectives are created as TensorFlow creates them, minus the wrapper:
+    process: a sweep of fresh fits of a small MLP kept about 6 MiB a fit more, and the guard's
+    branch functions stayed in the eager context (tensorflow/tensorflow#97697; TensorFlow
+    2.22.0rc0 frees an all-reduce's graph, not yet an all-gather's: the accessor's test in
+    ``tests/interop/test_internals.py`` says when both can go). tfscale reduces gradients,
+    which are never differentiated again, so the same collectives are created as TensorFlow
+    creates them, minus the wrapper:
     ``merge_call`` + ``batch_reduce_to`` where the strategy needs ``merge_call``, else the
     strategy's replica-context all-reduce (private: ``_replica_ctx_all_reduce``), as
     ``ReplicaContext.all_reduce`` itself does. (``training/allreduce.py``.)
