@@ -20,8 +20,8 @@ measurement behind ``fit.AUTO_MIN_STEPS``: tfscale.fit's CPU seconds at one and 
 per call for fits of 16 to 256 steps (2 to 32 epochs of 8 batches), same rounds and medians.
 ``--sweep N`` adds what a sweep of fits in one process keeps: each side in turn makes N fresh
 fits, and the table shows the process's resident memory growth per fit over them and the graphs
-(``FuncGraph``) its fits left alive; Keras's ``model.fit`` under the same MirroredStrategy is a
-third side.
+(``FuncGraph``) its fits left alive; tfscale.fit with ``remat=True`` (``tf.recompute_grad``) and Keras's
+``model.fit`` under the same MirroredStrategy are two more sides.
 """
 
 from __future__ import annotations
@@ -69,14 +69,17 @@ def _keras_fit(x: np.ndarray, y: np.ndarray, initial: list[np.ndarray]) -> keras
 
 
 def _tfscale_fit(
-    strategy: tf.distribute.Strategy, epochs: int = EPOCHS, steps_per_execution: int | None = None
+    strategy: tf.distribute.Strategy,
+    epochs: int = EPOCHS,
+    steps_per_execution: int | None = None,
+    remat: bool = False,
 ) -> Callable[[np.ndarray, np.ndarray, list[np.ndarray]], keras.Model]:
     def fit(x: np.ndarray, y: np.ndarray, initial: list[np.ndarray]) -> keras.Model:
         model = _model(strategy)
         model.set_weights(initial)
         tfscale.fit(
             model, x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
-            strategy=strategy, steps_per_execution=steps_per_execution,
+            strategy=strategy, steps_per_execution=steps_per_execution, remat=remat,
         )  # fmt: skip
         return model
 
@@ -185,7 +188,11 @@ def main() -> None:
     if args.steps_per_call:
         _steps_per_call(strategy, x, y, initial, args.repeats)
     if args.sweep:
-        swept = {**sides, "keras model.fit, MirroredStrategy": _keras_mirrored_fit(strategy)}
+        swept = {
+            **sides,
+            "tfscale.fit, 2 replicas, remat=True": _tfscale_fit(strategy, remat=True),
+            "keras model.fit, MirroredStrategy": _keras_mirrored_fit(strategy),
+        }
         _sweep(swept, x, y, initial, args.sweep)
     if args.profile:
         fit = sides[keras_name if args.profile == "keras" else tfscale_name]

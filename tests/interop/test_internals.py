@@ -659,6 +659,51 @@ def test_all_reduce_and_all_gather_without_gradient_give_tensorflows_results() -
     assert run("all_gather") is False, "all_gather frees its graph now: see the comment"
 
 
+def test_forget_custom_gradients_frees_the_graph_that_tf_recompute_grad_keeps() -> None:
+    from tensorflow.python.framework import ops
+
+    _require(ops, "_gradient_registry", "forget_custom_gradients", "training.layercalls")
+    _require(ops._gradient_registry, "_registry", "forget_custom_gradients",
+             "training.layercalls")  # fmt: skip
+    weight = tf.Variable([0.5, -1.0])
+
+    def run(forget: bool) -> bool:
+        """Traces and runs one recomputed step; True when its graph was freed."""
+        graphs: list[Any] = []
+        found: list[set[str]] = []
+
+        @tf.function  # type: ignore[misc]
+        def step(x: tf.Tensor) -> Any:
+            graph = tf.compat.v1.get_default_graph()
+            graphs.append(weakref.ref(graph))
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = tf.recompute_grad(lambda t: tf.reduce_sum(tf.sin(t) * weight))(x)
+            gradients = tape.gradient(y, [x, weight])
+            found.append(internals.custom_gradient_names(graph))
+            if forget:
+                internals.forget_custom_gradients(found[-1])
+            return gradients
+
+        x = tf.constant([0.3, 1.2])
+        dx, dw = step(x)
+        np.testing.assert_allclose(dx.numpy(), np.cos([0.3, 1.2]) * [0.5, -1.0], rtol=1e-6)
+        np.testing.assert_allclose(dw.numpy(), np.sin([0.3, 1.2]), rtol=1e-6)
+        # The forward's and the recomputing backward's (tf.recompute_grad's own nested one).
+        assert len(found[0]) == 2 and all(n.startswith("CustomGradient-") for n in found[0])
+        registered = ops._gradient_registry._registry
+        assert all((name in registered) is not forget for name in found[0])
+        del step
+        gc.collect()
+        return graphs[0]() is None
+
+    assert run(forget=True)
+    # TensorFlow keeps every graph that traced a tf.custom_gradient for the life of the
+    # process, through the gradient function it registered (tensorflow/tensorflow#97697):
+    # when this fails, the removal in training/layercalls.py can go.
+    assert run(forget=False) is False, "tf.recompute_grad frees its graph now: see the comment"
+
+
 def _collective_extended() -> type:
     from tensorflow.python.distribute import collective_all_reduce_strategy
 

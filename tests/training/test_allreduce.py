@@ -22,21 +22,27 @@ def _graphs() -> dict[int, object]:
     return {id(o): o for o in gc.get_objects() if type(o).__name__ == "FuncGraph"}
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "sharded"])
-def test_nothing_a_fit_traced_outlives_it(sharded: bool) -> None:
+@pytest.mark.parametrize(
+    ("sharded", "remat"),
+    [(False, False), (True, False), (False, True)],
+    ids=["replicated", "sharded", "remat"],
+)
+def test_nothing_a_fit_traced_outlives_it(sharded: bool, remat: bool) -> None:
     """Every graph a fit traced (its step, the guard's branches with the update of every
     replica, the input's functions) is freed once the model is gone. TensorFlow's own
     ``ReplicaContext.all_reduce`` / ``all_gather`` kept the step alive for the life of the
     process (tensorflow/tensorflow#97697, TensorFlow <= 2.21: about 6 MiB a fit of this tiny
     model in a sweep); tfscale's all-reduce and gather leave it free
-    (``internals.all_reduce_without_gradient``)."""
+    (``internals.all_reduce_without_gradient``). So did ``tf.recompute_grad`` under
+    ``remat=True``, by the same registry (8 MiB a fit more): tfscale removes what it
+    registered once the step is traced (``training/layercalls.py``)."""
     x, y = DATA
     strategy = strategy_for(2)
 
     def fit() -> None:
         model = tiny_model(strategy, "adam", lr=0.01)
         tfscale.fit(model, x[:64], y[:64], batch_size=16, epochs=1, verbose=0,
-                    strategy=strategy, shard_optimizer_state=sharded)  # fmt: skip
+                    strategy=strategy, shard_optimizer_state=sharded, remat=remat)  # fmt: skip
 
     before = _graphs()
     fit()

@@ -18,7 +18,7 @@ from tfscale.interop import internals, registry
 __all__ = ["layer_calls"]
 
 
-def _recomputed(call: Callable[..., Any]) -> Callable[..., Any]:
+def _recomputed(call: Callable[..., Any], graphs: dict[int, Any]) -> Callable[..., Any]:
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         # The backward pass recomputes the call outside the layer's __call__, where a mixed
         # policy's autocast scope no longer holds: float32 weights met bfloat16 inputs
@@ -29,7 +29,12 @@ def _recomputed(call: Callable[..., Any]) -> Callable[..., Any]:
             with internals.autocast(dtype):
                 return call(*inner, **kwargs)
 
-        return tf.recompute_grad(recomputed)(*args)
+        outputs = tf.recompute_grad(recomputed)(*args)
+        for tensor in tf.nest.flatten(outputs, expand_composites=True):
+            graph = getattr(tensor, "graph", None)  # an eager tensor has none
+            if graph is not None:
+                graphs[id(graph)] = graph
+        return outputs
 
     return wrapped
 
@@ -46,16 +51,23 @@ def layer_calls(model: Any, *, remat: bool) -> Iterator[None]:
             (``training=``): "The custom_gradient decorator currently supports keywords
             arguments only when eager execution is enabled" (keras-team/keras#21207). So each
             leaf layer's ``call`` is wrapped in ``tf.recompute_grad`` with its keyword
-            arguments bound.
+            arguments bound. The gradient functions it registers (forward and recomputing
+            backward) are removed from TensorFlow's process-wide registry when the step's
+            trace ends, backward pass included: each held the traced step for the life of
+            the process (``internals.forget_custom_gradients``). Only the graphs the step
+            was traced into are searched: a fit tracing in another thread keeps its own.
     """
     replaced: list[Any] = []
+    graphs: dict[int, Any] = {}  # where the wrapped calls were traced
     if remat:
         for layer in internals.flatten_layers(model, include_self=False):
             if not internals.flatten_layers(layer, include_self=False) and layer.weights:
-                registry.replace("remat-call", layer, "call", _recomputed(layer.call))
+                registry.replace("remat-call", layer, "call", _recomputed(layer.call, graphs))
                 replaced.append(layer)
     try:
         yield
     finally:
         for layer in replaced:
             registry.restore("remat-call", layer, "call")
+        for graph in graphs.values():
+            internals.forget_custom_gradients(internals.custom_gradient_names(graph))
