@@ -20,8 +20,8 @@ measurement behind ``fit.AUTO_MIN_STEPS``: tfscale.fit's CPU seconds at one and 
 per call for fits of 16 to 256 steps (2 to 32 epochs of 8 batches), same rounds and medians.
 ``--sweep N`` adds what a sweep of fits in one process keeps: each side in turn makes N fresh
 fits, and the table shows the process's resident memory growth per fit over them and the graphs
-(``FuncGraph``) its fits left alive; tfscale.fit with ``remat=True`` (``tf.recompute_grad``) and Keras's
-``model.fit`` under the same MirroredStrategy are two more sides.
+(``FuncGraph``) its fits left alive; tfscale.fit with ``remat=True`` (``tf.recompute_grad``)
+and Keras's ``model.fit`` under the same MirroredStrategy are two more sides.
 """
 
 from __future__ import annotations
