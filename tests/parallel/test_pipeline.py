@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import keras
 import numpy as np
 import pytest
@@ -208,6 +211,35 @@ def test_tfscale_fit_trains_the_pipeline_to_the_unsplit_weights(cpu_devices: lis
     history = tfscale.fit(piped, x, y, epochs=2, batch_size=BATCH, verbose=0)
     assert len(history.history["loss"]) == 2
     assert relative_difference(model.get_weights(), reference.get_weights()) <= TOL
+
+
+def test_a_tfscale_fit_of_a_pipeline_leaves_nothing_it_traced_alive(
+    cpu_devices: list[str],
+) -> None:
+    """Each stage is a ``tf.custom_gradient``, whose gradient function TensorFlow keeps in its
+    process-wide registry, holding the traced step for the life of the process
+    (tensorflow/tensorflow#97697): tfscale.fit releases them once its step is traced
+    (``internals.gradient_functions_released``). Keras's symbolic build of the pipelined
+    model (its ``scratch_graph``, outside any step) still registers one per stage and
+    micro-batch, and stays: a graph of the model's shapes, not a step."""
+    x, y = data(seed=3, n=2 * BATCH)
+
+    def graphs() -> dict[int, object]:
+        return {id(o): o for o in gc.get_objects() if type(o).__name__ == "FuncGraph"}
+
+    def fit() -> None:
+        piped = tfscale.pipeline(build(), cpu_devices[:2], microbatches=2)
+        piped.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        tfscale.fit(piped, x, y, epochs=1, batch_size=BATCH, verbose=0)
+
+    before = graphs()
+    fit()
+    traced = [weakref.ref(g) for i, g in graphs().items() if i not in before]
+    assert any("one_step" in str(getattr(r(), "name", "")) for r in traced)
+    fit()  # a second fit: a graph the first left to it (a cache) would be freed by now
+    gc.collect()
+    alive = sorted(str(getattr(r(), "name", "")) for r in traced if r() is not None)
+    assert [name for name in alive if not name.startswith("scratch_graph")] == [], alive
 
 
 def test_a_replicating_strategy_is_refused(cpu_devices: list[str]) -> None:

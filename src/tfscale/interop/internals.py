@@ -859,6 +859,30 @@ def forget_custom_gradients(names: set[str]) -> None:
         registered.pop(name, None)
 
 
+@contextlib.contextmanager
+def gradient_functions_released(graphs: dict[int, Any]) -> Iterator[None]:
+    """While a step is traced inside: at the end, the gradient functions registered for the ops
+    of the graph it is traced into, and of ``graphs`` (nested graphs that code inside adds,
+    by id), leave TensorFlow's registry (:func:`forget_custom_gradients`).
+
+    The step's own graph and its nested ones only: another thread tracing at the same time
+    traces into its own graphs and keeps what it registered. The step is never differentiated
+    again once traced (tfscale's step functions are called, not differentiated), so nothing
+    reads those entries after the trace. A ``tf.custom_gradient`` inside a ``tf.cond`` /
+    ``tf.while_loop`` branch or a nested ``tf.function`` that nobody added stays registered.
+    """
+    import tensorflow as tf
+
+    if tf.inside_function():
+        graph = tf.compat.v1.get_default_graph()
+        graphs.setdefault(id(graph), graph)
+    try:
+        yield
+    finally:
+        for each in graphs.values():
+            forget_custom_gradients(custom_gradient_names(each))
+
+
 #: ``type(tf.distribute.get_strategy()).__name__`` outside every scope: TensorFlow's private
 #: default strategy class, which the doctor must tell from strategies the user built. Its name
 #: is compared as text because the doctor's parent process imports no TensorFlow.

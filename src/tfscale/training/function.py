@@ -221,7 +221,14 @@ class StepFunction:
     # -- cross-replica -------------------------------------------------------------------
     def _one_step(self, data: Any) -> Any:
         remat = bool(self.options.remat) and self.kind == "train"
-        with layer_calls(self.model, remat=remat):
+        # What tf.custom_gradient registered while the step is traced (remat's, a pipeline's
+        # stages', the model's own) would keep the step alive for the process's life
+        # (tensorflow/tensorflow#97697): released once traced, backward pass included.
+        traced_into: dict[int, Any] = {}
+        with (
+            internals.gradient_functions_released(traced_into),
+            layer_calls(self.model, remat=remat, traced_into=traced_into),
+        ):
             outputs = self.strategy.run(self._replica_step, args=(data,))
         # Keras's own step returns the metrics by construction: known without tracing
         # get_metrics_result in a throwaway graph for its keys (about 15 ms a fit).

@@ -40,7 +40,7 @@ def _recomputed(call: Callable[..., Any], graphs: dict[int, Any]) -> Callable[..
 
 
 @contextlib.contextmanager
-def layer_calls(model: Any, *, remat: bool) -> Iterator[None]:
+def layer_calls(model: Any, *, remat: bool, traced_into: dict[int, Any]) -> Iterator[None]:
     """Replaces layer calls while the code inside traces a step.
 
     Args:
@@ -51,23 +51,20 @@ def layer_calls(model: Any, *, remat: bool) -> Iterator[None]:
             (``training=``): "The custom_gradient decorator currently supports keywords
             arguments only when eager execution is enabled" (keras-team/keras#21207). So each
             leaf layer's ``call`` is wrapped in ``tf.recompute_grad`` with its keyword
-            arguments bound. The gradient functions it registers (forward and recomputing
-            backward) are removed from TensorFlow's process-wide registry when the step's
-            trace ends, backward pass included: each held the traced step for the life of
-            the process (``internals.forget_custom_gradients``). Only the graphs the step
-            was traced into are searched: a fit tracing in another thread keeps its own.
+            arguments bound.
+        traced_into: Where the wrapped calls were traced, by id, filled here: their
+            gradient functions (forward and recomputing backward) leave TensorFlow's registry
+            once the step is traced (``internals.gradient_functions_released``), also from a
+            graph nested in the step's (an XLA-compiled step's).
     """
     replaced: list[Any] = []
-    graphs: dict[int, Any] = {}  # where the wrapped calls were traced
     if remat:
         for layer in internals.flatten_layers(model, include_self=False):
             if not internals.flatten_layers(layer, include_self=False) and layer.weights:
-                registry.replace("remat-call", layer, "call", _recomputed(layer.call, graphs))
+                registry.replace("remat-call", layer, "call", _recomputed(layer.call, traced_into))
                 replaced.append(layer)
     try:
         yield
     finally:
         for layer in replaced:
             registry.restore("remat-call", layer, "call")
-        for graph in graphs.values():
-            internals.forget_custom_gradients(internals.custom_gradient_names(graph))
