@@ -850,7 +850,7 @@ def forget_custom_gradients(names: set[str]) -> None:
     :func:`all_reduce_without_gradient`); a sweep of fresh fits with ``remat=True`` kept about
     8 MiB a fit more than without. The entry is only read by symbolic gradients of that graph
     (a ``GradientTape`` uses the function it recorded), so once the step that made it is traced,
-    backward pass included, nothing reads it again. (``training/layercalls.py``.)
+    backward pass included, nothing reads it again. (:func:`gradient_functions_released`.)
     """
     from tensorflow.python.framework import ops
 
@@ -870,6 +870,7 @@ def gradient_functions_released(graphs: dict[int, Any]) -> Iterator[None]:
     again once traced (tfscale's step functions are called, not differentiated), so nothing
     reads those entries after the trace. A ``tf.custom_gradient`` inside a ``tf.cond`` /
     ``tf.while_loop`` branch or a nested ``tf.function`` that nobody added stays registered.
+    (``training/function.py``'s step; ``training/layercalls.py`` adds remat's graphs.)
     """
     import tensorflow as tf
 
