@@ -659,6 +659,21 @@ def test_all_reduce_and_all_gather_without_gradient_give_tensorflows_results() -
     assert run("all_gather") is False, "all_gather frees its graph now: see the comment"
 
 
+def test_in_symbolic_build_is_true_only_while_keras_traces_for_shapes() -> None:
+    seen: list[bool] = []
+
+    class Probe(keras.layers.Layer):  # type: ignore[misc]
+        def call(self, x: Any) -> Any:
+            seen.append(internals.in_symbolic_build())
+            return x
+
+    probe = Probe()
+    probe(keras.KerasTensor((None, 2)))  # a functional call: Keras's compute_output_spec
+    probe(tf.ones([1, 2]))
+    assert seen == [True, False]
+    assert internals.in_symbolic_build() is False
+
+
 def test_forget_custom_gradients_frees_the_graph_that_tf_recompute_grad_keeps() -> None:
     from tensorflow.python.framework import ops
 

@@ -40,6 +40,7 @@ __all__ = [
     "context_started",
     "coordination_config_pb2",
     "cross_device_ops",
+    "custom_gradient_names",
     "dataset_batch_size",
     "distributed_container",
     "distributed_input_methods",
@@ -48,7 +49,10 @@ __all__ = [
     "epoch_iterator_dataset",
     "flatten_layers",
     "forget_collective_setup",
+    "forget_custom_gradients",
     "functional_nodes",
+    "gradient_functions_released",
+    "in_symbolic_build",
     "inbound_nodes",
     "is_array_input",
     "keras_loss_module",
@@ -112,6 +116,15 @@ def set_model_strategy(model: Any, strategy: Any) -> None:
     moved into another strategy's scope must say so, or ``fit`` keeps the old one.
     """
     model._distribute_strategy = strategy
+
+
+def in_symbolic_build() -> bool:
+    """Whether Keras is tracing for shapes only (``compute_output_spec``: a model's build, a
+    functional call on ``KerasTensor``s), where no gradient is ever taken (private:
+    ``keras.src.backend.common.symbolic_scope.in_symbolic_scope``)."""
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+
+    return bool(in_symbolic_scope())
 
 
 def symbolic_build(model: Any, data_batch: Any) -> None:

@@ -26,7 +26,12 @@ import tensorflow as tf
 from tfscale.devices.names import select_devices
 from tfscale.errors import PartitionError, explain
 from tfscale.interop import registry
-from tfscale.interop.internals import backing_variable, reinitialize_variable, set_model_strategy
+from tfscale.interop.internals import (
+    backing_variable,
+    in_symbolic_build,
+    reinitialize_variable,
+    set_model_strategy,
+)
 from tfscale.parallel.partition import PartitionPlan, chain_layers
 
 __all__ = ["PlacedModel", "move_weights", "place", "resolve_devices", "run_stage"]
@@ -111,6 +116,13 @@ def run_stage(
         for layer in layers:
             x = layer(x, training=training)
         return x
+
+    if in_symbolic_build():
+        # Keras tracing for shapes (the model's build): no gradient will be taken, and a
+        # tf.custom_gradient would register one in TensorFlow's process-wide registry that
+        # keeps this scratch graph alive for the process's life (tensorflow/tensorflow#97697).
+        with tf.device(device):
+            return forward(inputs)
 
     differentiable = inputs.dtype.is_floating
 
