@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import pytest
@@ -85,13 +86,18 @@ def test_run_probe_runs_until_its_budget_in_doubling_batches() -> None:
     with pytest.raises(ChunkItemError) as info:
         run_probe(lambda x: 1 / x, [1, 2, 4, 0, 5], False, 60.0)
     assert info.value.offset == 3 and isinstance(info.value.error, ZeroDivisionError)
+    assert info.value.done == [1.0, 0.5, 0.25]
 
 
 def test_run_chunk_in_order_and_names_the_failed_item() -> None:
     assert run_chunk(lambda a, b: a - b, [(5, 1), (7, 2)], star=True) == [4, 5]
     with pytest.raises(ChunkItemError) as info:
-        run_chunk(lambda x: 1 / x, [1, 0, 2])
-    assert info.value.offset == 1 and isinstance(info.value.error, ZeroDivisionError)
+        run_chunk(lambda x: 1 / x, [4, 2, 0, 2])
+    assert info.value.offset == 2 and isinstance(info.value.error, ZeroDivisionError)
+    # The results before it travel with the error, pickled too (the process backend's way).
+    assert info.value.done == [0.25, 0.5]
+    again = pickle.loads(pickle.dumps(info.value))
+    assert (again.offset, again.done, type(again.error)) == (2, [0.25, 0.5], ZeroDivisionError)
 
 
 def test_summarize_busy_time_counts_makespan_utilisation(tmp_path: Path) -> None:

@@ -239,6 +239,24 @@ def test_map_auto_probes_then_chunks_in_order_and_names_the_failed_item() -> Non
             list(failing)
 
 
+def test_map_hands_out_a_failed_chunks_items_before_the_failed_one() -> None:
+    """Item 7 fails inside the chunk of items 5-9: items 0-6 come out, then the error, as
+    Executor.map gives them (the chunk's results before it were lost: the iterator raised at
+    item 5)."""
+
+    def square(x: int) -> int:
+        if x == 7:
+            raise KeyError(x)
+        return x * x
+
+    with TaskPool() as pool:
+        results = pool.map(square, range(12), chunksize=5)
+        assert [next(results) for _ in range(7)] == [x * x for x in range(7)]
+        with pytest.raises(TaskError, match=r"map item 7 ") as info:
+            next(results)
+        assert isinstance(info.value.__cause__, KeyError)
+
+
 def test_as_completed_shutdown_cancel_and_bad_arguments() -> None:
     gate, started = threading.Event(), threading.Event()
 

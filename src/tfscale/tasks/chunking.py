@@ -32,12 +32,15 @@ OVERHEAD_TARGET = 0.05
 
 
 class ChunkItemError(Exception):
-    """Raised by :func:`run_chunk` when one item fails: which one, and its exception."""
+    """Raised by :func:`run_chunk` when one item fails: which one, its exception, and the
+    results of the items before it (``map`` hands them out before the failure, as
+    ``Executor.map`` does; they travel with the error, so they are in its pickled ``args``)."""
 
-    def __init__(self, offset: int, error: BaseException) -> None:
-        super().__init__(offset, error)
+    def __init__(self, offset: int, error: BaseException, done: list[Any] | None = None) -> None:
+        super().__init__(offset, error, done)
         self.offset = offset
         self.error = error
+        self.done: list[Any] = list(done or [])
 
 
 def choose_chunksize(
@@ -84,7 +87,7 @@ def run_chunk(fn: Callable[..., Any], items: Sequence[Any], star: bool = False) 
         # results appended before an item raised, so their count is the failed item's offset.
         results.extend(itertools.starmap(fn, items) if star else map(fn, items))
     except Exception as error:
-        raise ChunkItemError(len(results), error) from error
+        raise ChunkItemError(len(results), error, results) from error
     return results
 
 
@@ -126,5 +129,5 @@ def run_probe(
             else:
                 batch = max(1, done)
     except Exception as error:
-        raise ChunkItemError(len(results), error) from error
+        raise ChunkItemError(len(results), error, results) from error
     return results

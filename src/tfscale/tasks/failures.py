@@ -34,10 +34,11 @@ def task_failure(
 ) -> TaskError:
     """The error a failed attempt of ``task`` on ``device`` puts on its future."""
     job: Job = task.payload
-    label, cause = task.label, error
+    label, cause, done = task.label, error, None
     if isinstance(error, ChunkItemError) and job.item_base is not None:
         index = job.item_base + error.offset
         label, cause = f"map item {index} ({name_of(job.args[0])})", error.error
+        done = getattr(error, "done", None)
     attempt = f" (attempt {task.attempts} of {retries + 1})" if retries else ""
     if isinstance(error, TimedOutError):
         message = explain(
@@ -66,6 +67,9 @@ def task_failure(
         )
     failure = TaskError(message)
     failure.__cause__ = cause
+    if done:
+        # The chunk's results before the failed item: map yields them, then raises.
+        failure.done_items = done  # type: ignore[attr-defined]
     return failure
 
 

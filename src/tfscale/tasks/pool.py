@@ -398,6 +398,13 @@ def _chunk_results(entries: _Entries, deadline: float | None) -> Iterator[list[A
                 for later, _ in entries[position:]:
                     later.cancel()
                 raise
+            except TaskError as failure:
+                # A chunk whose item failed: the items before it come out first, so the
+                # iterator raises where that item is, as Executor.map does.
+                done = getattr(failure, "done_items", None)
+                if is_chunk and done:
+                    yield done
+                raise
             yield value if is_chunk else [value]
     finally:
         for future, _ in entries:
