@@ -121,7 +121,14 @@ class OutOfMemoryError(TfscaleError):
 
 
 class TaskError(TfscaleError):
-    """A task of a :class:`tfscale.TaskPool` failed, timed out or could not be scheduled."""
+    """A task of a :class:`tfscale.TaskPool` failed, timed out or could not be scheduled.
+
+    Attributes:
+        done_items: For a failed ``map`` chunk, the results of its items before the failed
+            one (``map`` yields them before raising); None otherwise.
+    """
+
+    done_items: list[object] | None = None
 
 
 class PartitionError(TfscaleError, ValueError):

@@ -69,7 +69,7 @@ def task_failure(
     failure.__cause__ = cause
     if done:
         # The chunk's results before the failed item: map yields them, then raises.
-        failure.done_items = done  # type: ignore[attr-defined]
+        failure.done_items = done
     return failure
 
 

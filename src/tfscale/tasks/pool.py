@@ -401,9 +401,8 @@ def _chunk_results(entries: _Entries, deadline: float | None) -> Iterator[list[A
             except TaskError as failure:
                 # A chunk whose item failed: the items before it come out first, so the
                 # iterator raises where that item is, as Executor.map does.
-                done = getattr(failure, "done_items", None)
-                if is_chunk and done:
-                    yield done
+                if is_chunk and failure.done_items:
+                    yield failure.done_items
                 raise
             yield value if is_chunk else [value]
     finally:
