@@ -8,10 +8,12 @@ killed with its whole process group when it runs over, and dies with the test pr
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import textwrap
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,6 +24,7 @@ __all__ = [
     "alive",
     "child_pids",
     "descendants",
+    "graphs_left_alive",
     "groups_alive",
     "in_process_parameter_servers",
     "mirrored_on_cpus",
@@ -70,6 +73,29 @@ def run_python(
     if done.timed_out:
         raise TimeoutExpired(argv, timeout, done.stdout, done.stderr)
     return done
+
+
+def graphs_left_alive(fit: Callable[[], None]) -> tuple[list[str], list[str]]:
+    """What a finished ``fit()`` leaves of the graphs it traced: runs it, then once more (a
+    graph the first left to a cache would be freed by then), collects garbage.
+
+    Returns:
+        The names of the graphs (``FuncGraph``) the first call traced, and of those still
+        alive. A caller asserts the first holds what its fit must trace (its step), so that a
+        renamed graph class cannot make an empty list pass.
+    """
+
+    def graphs() -> dict[int, Any]:
+        return {id(o): o for o in gc.get_objects() if type(o).__name__ == "FuncGraph"}
+
+    before = graphs()
+    fit()
+    traced = [weakref.ref(g) for i, g in graphs().items() if i not in before]
+    names = sorted(str(getattr(r(), "name", "")) for r in traced)
+    fit()
+    gc.collect()
+    alive = sorted(str(getattr(r(), "name", "")) for r in traced if r() is not None)
+    return names, alive
 
 
 def relative_difference(a: object, b: object) -> float:

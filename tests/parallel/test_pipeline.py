@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import gc
-import weakref
-
 import keras
 import numpy as np
 import pytest
@@ -12,7 +9,7 @@ import tensorflow as tf
 
 import tfscale
 from tfscale.parallel.pipeline import PipelineModel
-from tfscale.testing import mirrored_on_cpus, relative_difference
+from tfscale.testing import graphs_left_alive, mirrored_on_cpus, relative_difference
 
 pytestmark = pytest.mark.tf
 
@@ -223,21 +220,13 @@ def test_a_tfscale_fit_of_a_pipeline_leaves_nothing_it_traced_alive(
     model (its ``scratch_graph``s) runs the stages without one."""
     x, y = data(seed=3, n=2 * BATCH)
 
-    def graphs() -> dict[int, object]:
-        return {id(o): o for o in gc.get_objects() if type(o).__name__ == "FuncGraph"}
-
     def fit() -> None:
         piped = tfscale.pipeline(build(), cpu_devices[:2], microbatches=2)
         piped.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         tfscale.fit(piped, x, y, epochs=1, batch_size=BATCH, verbose=0)
 
-    before = graphs()
-    fit()
-    traced = [weakref.ref(g) for i, g in graphs().items() if i not in before]
-    assert any("one_step" in str(getattr(r(), "name", "")) for r in traced)
-    fit()  # a second fit: a graph the first left to it (a cache) would be freed by now
-    gc.collect()
-    alive = sorted(str(getattr(r(), "name", "")) for r in traced if r() is not None)
+    traced, alive = graphs_left_alive(fit)
+    assert any("one_step" in name for name in traced), traced
     assert not alive, f"graphs of a finished fit still alive: {alive}"
 
 
