@@ -5,7 +5,9 @@ lines, ``tfscale.fit(model, x, y, ...)`` and ``tfscale.prepare(model)`` + ``mode
 ...)``, against one device's ``model.fit`` of a fresh identical model (SGD as is, Adam with
 dense embedding gradients: docs/training.md, "Sparse gradients"). KerasHub's ``fit`` is its
 own (``PipelineModel.fit`` builds the dataset and maps the preprocessor), so these tests hold
-tfscale to what that ``fit`` gets on one device.
+tfscale to what that ``fit`` gets on one device. KerasHub's RetinaNet object detector divides
+its loss by a count over the batch each replica sees: its tests assert that difference and the
+subclass docs/training.md gives for it ("Losses normalized over the batch").
 
 KerasHub 0.32 needs Keras >= 3.15 and Python >= 3.11 and is installed without its
 tensorflow-text's ``tensorflow`` dependency (the Makefile's ``venv``); where it is missing
@@ -35,7 +37,7 @@ pytest.importorskip(
 )
 
 from .helpers import launch, strategy_for  # noqa: E402
-from .parity.kerashub_cases import CASES, generated  # noqa: E402
+from .parity.kerashub_cases import CASES, DETECTION_CASES, generated  # noqa: E402
 from .parity.registry import Case, Run, param, run_case, run_reference  # noqa: E402
 
 _BY_NAME = {case.name: case for case in CASES}
@@ -153,3 +155,15 @@ def test_models_under_tfscale_launch_give_one_device_weights(tmp_path: Path) -> 
             check(expected, got)
         if "generated" in reports[0][run]:
             np.testing.assert_array_equal(reports[0][run]["generated"], generated(expected.model))
+
+
+# -- a loss normalized over the batch ------------------------------------------------------------
+@pytest.mark.parametrize("case", [param(case) for case in DETECTION_CASES])
+def test_retinanets_loss_is_one_devices_once_normalized_by_the_replicas_mean_count(
+    case: Case,
+) -> None:
+    """KerasHub's RetinaNet divides its loss by the positive anchors of the batch it is given:
+    under 2 replicas each divides by its own share's, and the update is not one device's
+    (asserted as the known difference); divided by the replicas' mean count
+    (``MeanCountRetinaNet``, docs/training.md "Losses normalized over the batch") it is."""
+    run_case(case, strategy_for(2))

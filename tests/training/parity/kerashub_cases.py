@@ -26,6 +26,7 @@ from typing import Any
 import keras
 import keras_hub
 import numpy as np
+import tensorflow as tf
 
 from .common import SEED, aligned, dense_gradients
 from .registry import Case, Check, Run, same_history, same_iterations
@@ -188,6 +189,82 @@ def vit_classifier(optimizer: str, reference: bool = False) -> Any:
     return _compiled(model, optimizer, reference)
 
 
+DETECTION_EXAMPLES = 16
+
+
+def detection_data() -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """32x32 images with one or two boxes each (``yxyx`` pixels; a second box of ``-1`` is
+    none): the first half of each batch one box, the second half two, so that the two
+    replicas' shares hold different numbers of positive anchors (6 and 31 in the first
+    batch)."""
+    rng = np.random.default_rng(15)
+    x = rng.normal(size=(DETECTION_EXAMPLES, 32, 32, 3)).astype("float32")
+    # Boxes of 22-28 pixels: the size of the anchors at pyramid level 3 (smaller ones match
+    # no anchor, and an image without a positive anchor is an edge of its own).
+    corner = rng.uniform(0, 4, size=(DETECTION_EXAMPLES, 2, 2))
+    size = rng.uniform(22, 28, size=(DETECTION_EXAMPLES, 2, 2))
+    boxes = np.concatenate([corner, corner + size], axis=-1).astype("float32")
+    labels = rng.integers(0, CLASSES, size=(DETECTION_EXAMPLES, 2)).astype("float32")
+    for batch in range(0, DETECTION_EXAMPLES, BATCH):
+        boxes[batch : batch + BATCH // 2, 1] = -1
+        labels[batch : batch + BATCH // 2, 1] = -1
+    return aligned(x), {"boxes": aligned(boxes), "labels": aligned(labels)}
+
+
+class MeanCountRetinaNet(keras_hub.models.RetinaNetObjectDetector):  # type: ignore[misc]
+    """KerasHub's RetinaNet with its loss normalized by the replicas' mean count of positive
+    anchors instead of each replica's own (docs/training.md, "Losses normalized over the
+    batch"): KerasHub's loss times this replica's count over that mean. On one device (no
+    strategy, or one replica) the factor is 1."""
+
+    def compute_loss(
+        self, x: Any, y: Any, y_pred: Any, sample_weight: Any = None, **kw: Any
+    ) -> Any:
+        loss = super().compute_loss(x, y, y_pred, sample_weight, **kw)
+        _, height, width, _ = keras.ops.shape(x)
+        encoded = keras.utils.bounding_boxes.convert_format(
+            y,
+            source=self.bounding_box_format,
+            target=self.label_encoder.bounding_box_format,
+            height=height,
+            width=width,
+        )
+        _, labels = self.label_encoder(
+            images=x, gt_boxes=encoded["boxes"], gt_classes=encoded["labels"]
+        )
+        count = keras.ops.sum(keras.ops.cast(keras.ops.greater(labels, -1.0), "float32"))
+        # None in cross-replica context: Keras's symbolic build, which only reads shapes.
+        context = tf.distribute.get_replica_context()
+        mean = count if context is None else context.all_reduce("mean", count)
+        return loss * keras.ops.maximum(count, 1.0) / keras.ops.maximum(mean, 1.0)
+
+
+def retinanet(reference: bool = False, mean_count: bool = False) -> Any:
+    """``RetinaNetObjectDetector`` (or :class:`MeanCountRetinaNet`) on a tiny ResNet whose
+    weights are frozen (its BatchNormalization then normalizes with its moving statistics,
+    alike on every replica), a feature pyramid of levels 3-4 and one convolution per head;
+    SGD at 1e-4 (its untrained loss is in the hundreds)."""
+    keras.utils.set_random_seed(SEED)
+    encoder = keras_hub.models.ResNetBackbone(
+        input_conv_filters=[64],
+        input_conv_kernel_sizes=[7],
+        stackwise_num_filters=[64, 8, 8],
+        stackwise_num_blocks=[1, 1, 1],
+        stackwise_num_strides=[1, 2, 2],
+        block_type="basic_block",
+        use_pre_activation=False,
+        image_shape=(32, 32, 3),
+    )
+    encoder.trainable = False
+    backbone = keras_hub.models.RetinaNetBackbone(
+        image_encoder=encoder, min_level=3, max_level=4, use_p5=False, image_shape=(32, 32, 3)
+    )
+    kind = MeanCountRetinaNet if mean_count else keras_hub.models.RetinaNetObjectDetector
+    model = kind(backbone, num_classes=CLASSES, pre_logits_num_conv_layers=1)
+    model.compile(optimizer=keras.optimizers.SGD(1e-4), run_eagerly=reference)
+    return model
+
+
 # -- checks ----------------------------------------------------------------------------------------
 def lora_only(expected: Run, got: Run) -> None:
     """LoRA trained what it leaves trainable and nothing else: every ``lora_kernel_b`` (zeros
@@ -322,4 +399,53 @@ CASES = [
             (lora_only, generates_as_reference),
         ),
     )
+]
+
+
+# -- a loss normalized over the batch --------------------------------------------------------------
+def update_norm(run: Run) -> float:
+    """The norm of everything the run's fit moved."""
+    moved = zip(run.model.get_weights(), run.initial_weights, strict=True)
+    return float(np.sqrt(sum(np.sum((np.float64(a) - b) ** 2) for a, b in moved)))
+
+
+def larger_update_than_one_device(expected: Run, got: Run) -> None:
+    """Each replica divides the loss of its share by its own positive anchors (about half the
+    batch's on 2 replicas), so the update is larger than one device's and the weights far
+    from it: the difference docs/training.md states ("Losses normalized over the batch")."""
+    from tfscale.testing import relative_difference
+
+    ratio = update_norm(got) / update_norm(expected)
+    difference = relative_difference(got.model.get_weights(), expected.model.get_weights())
+    assert ratio > 1.1 and difference > 0.1, (ratio, difference)
+
+
+DETECTION_SOURCE = SOURCE.format("RetinaNetObjectDetector")
+
+DETECTION_CASES = [
+    Case(
+        "retinanet_own_normalizer_sgd",
+        DETECTION_SOURCE,
+        retinanet,
+        _fit(detection_data),
+        reference_build=lambda: retinanet(reference=True),
+        checks=[larger_update_than_one_device, same_iterations],
+        known_difference=(
+            "KerasHub divides the loss by the positive anchors of the batch each replica "
+            "sees, not the whole batch's (docs/training.md, 'Losses normalized over the batch')"
+        ),
+    ),
+    Case(
+        "retinanet_mean_count_sgd",
+        f"{DETECTION_SOURCE}, normalized by the replicas' mean count (MeanCountRetinaNet)",
+        lambda: retinanet(mean_count=True),
+        _fit(detection_data),
+        reference_build=lambda: retinanet(reference=True, mean_count=True),
+        # The heads' own losses in History are KerasHub's, each replica's normalized by its count.
+        checks=[
+            same_weights_per_variable(WEIGHTS_RTOL),
+            same_history(skip=("bbox_regression_loss", "cls_logits_loss")),
+            same_iterations,
+        ],
+    ),
 ]
