@@ -306,3 +306,99 @@ def test_several_steps_per_call_under_mirroreds_default_collective_all_reduce() 
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert float(result.stdout.split("difference")[-1]) <= 1e-5
+
+
+def _summing_regressor(strategy: tf.distribute.Strategy | None, **compile_args: object) -> object:
+    """A seeded 2-layer regressor whose loss is summed over the batch (reduction="sum")."""
+    scope = strategy.scope() if strategy is not None else tf.distribute.get_strategy().scope()
+    with scope:
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential(
+            [keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)]
+        )
+        model.compile(
+            keras.optimizers.SGD(0.002),
+            loss=keras.losses.MeanSquaredError(reduction="sum"),
+            **compile_args,
+        )
+    return model
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"steps_per_execution": 3}, {"jit_compile": True}, {"accumulation_steps": 2}],
+    ids=["plain", "steps_per_execution", "jit_compile", "accumulation_steps"],
+)
+def test_a_loss_summed_over_the_batch_is_one_devices_sum(options: dict[str, object]) -> None:
+    """``reduction="sum"``: Keras leaves the sum unscaled under a strategy (the replicas'
+    gradients summed are one device's); tfscale weighs each replica's loss by its examples
+    as a mean, so it multiplies such a sum by the batch's examples over the replica's. Taken
+    for a mean, it gave one device's update divided by the replicas (0.41 apart). 57 examples
+    in batches of 16 end with 9 (5 and 4 on 2 replicas), and the validation loss is a sum too.
+    With accumulation, one device's reference is Keras's own ``gradient_accumulation_steps``
+    (the mean of the micro-batches' updates)."""
+    accumulation = options.get("accumulation_steps")
+    rng = np.random.default_rng(17)
+    # Keras's accumulation weighs a short last micro-batch as a full one: 64 examples there.
+    x = rng.normal(size=(57 if accumulation is None else 64, 5)).astype("float32")
+    y = (x @ rng.normal(size=(5, 1))).astype("float32")
+    fit = {"batch_size": 16, "epochs": 2, "shuffle": False, "verbose": 0}
+    fit["validation_data"] = (x[:20], y[:20])
+    reference = _summing_regressor(None)
+    if accumulation is not None:
+        optimizer = keras.optimizers.SGD(0.002, gradient_accumulation_steps=accumulation)
+        reference.compile(optimizer, loss=reference.loss)
+    initial = reference.get_weights()
+    with tf.device("/device:CPU:0"):
+        one = reference.fit(x, y, **fit)
+    strategy = strategy_for(2)
+    model = _summing_regressor(strategy)
+    model.set_weights(initial)
+    history = tfscale.fit(model, x, y, strategy=strategy, **fit, **options)
+    assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5
+    for key in ("loss", "val_loss"):
+        assert relative_difference(history.history[key], one.history[key]) <= 1e-5, key
+
+
+class _SumsInItsStep(keras.Sequential):  # type: ignore[misc]
+    """A train_step that computes its loss with a Loss summing over the batch that
+    model.compile was not given (keras-io's custom-train-step guide's shape)."""
+
+    summed = keras.losses.MeanSquaredError(reduction="sum")
+
+    def train_step(self, data: object) -> dict[str, object]:
+        x, y = data  # type: ignore[misc]
+        with tf.GradientTape() as tape:
+            loss = self.summed(y, self(x, training=True))
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables, strict=True))
+        return {"loss": loss}
+
+
+def _summing_in_its_step(strategy: tf.distribute.Strategy | None) -> object:
+    scope = strategy.scope() if strategy is not None else tf.distribute.get_strategy().scope()
+    with scope:
+        keras.utils.set_random_seed(3)
+        model = _SumsInItsStep([keras.Input((5,)), keras.layers.Dense(1)], name="sums")
+        model.compile(keras.optimizers.SGD(0.002))
+    return model
+
+
+def test_a_loss_a_train_step_sums_itself_is_one_devices_sum_and_refused_under_jit() -> None:
+    rng = np.random.default_rng(18)
+    x = rng.normal(size=(57, 5)).astype("float32")
+    y = (x @ rng.normal(size=(5, 1))).astype("float32")
+    reference = _summing_in_its_step(None)
+    initial = reference.get_weights()
+    with tf.device("/device:CPU:0"):
+        reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    strategy = strategy_for(2)
+    model = _summing_in_its_step(strategy)
+    model.set_weights(initial)
+    tfscale.fit(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, strategy=strategy)
+    assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5
+    # Under XLA the example counts' all-reduce cannot run inside the compiled step.
+    compiled = _summing_in_its_step(strategy)
+    with pytest.raises(tfscale.TrainingError, match='reduction="sum"'):
+        tfscale.fit(compiled, x, y, batch_size=16, strategy=strategy, jit_compile=True, verbose=0)
+    assert relative_difference(compiled.get_weights(), initial) == 0.0  # nothing trained

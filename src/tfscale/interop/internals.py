@@ -427,6 +427,11 @@ _ALL_REDUCE_REPLACEMENT: contextvars.ContextVar[Callable[[Any, Any], Any] | None
 _PER_REPLICA_LOSSES: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "tfscale_per_replica_losses", default=False
 )
+# While ``replica_count_scaling_off`` is entered with one: what a loss reduced by summing is
+# multiplied by (``Callable[[], tf.Tensor]``, the batch's examples over this replica's).
+_SUM_SCALE: contextvars.ContextVar[Callable[[], Any] | None] = contextvars.ContextVar(
+    "tfscale_sum_scale", default=None
+)
 
 
 @contextlib.contextmanager
@@ -570,8 +575,25 @@ def _loss_scaling_switch(keras: Callable[..., Any]) -> Callable[..., Any]:
     return switched
 
 
+def _summed_loss_switch(keras: Callable[..., Any]) -> Callable[..., Any]:
+    def switched(
+        values: Any, sample_weight: Any = None, reduction: str = "sum_over_batch_size"
+    ) -> Any:
+        loss = keras(values, sample_weight, reduction)
+        scale = _SUM_SCALE.get()
+        # Keras returns ``values`` themselves where nothing is summed (no reduction, or a
+        # scalar the loss function reduced itself): those stay per-replica means.
+        if scale is None or reduction != "sum" or tuple(values.shape) in ((), (0,)):
+            return loss
+        import tensorflow as tf
+
+        return loss * tf.cast(scale(), loss.dtype)
+
+    return switched
+
+
 @contextlib.contextmanager
-def replica_count_scaling_off() -> Iterator[None]:
+def replica_count_scaling_off(sum_scale: Callable[[], Any] | None = None) -> Iterator[None]:
     """Lets losses computed while this is active, in this thread, be per-replica means.
 
     Under a strategy with N replicas Keras divides each ``Loss`` result and the sum of the
@@ -584,14 +606,28 @@ def replica_count_scaling_off() -> Iterator[None]:
     per-replica value while the step is traced. Only code running in the thread that entered
     this sees it: enter it inside the replica function (MirroredStrategy runs each replica in
     a thread of its own); other threads keep Keras's scaling.
+
+    A ``Loss`` with ``reduction="sum"`` is the sum over the batch, not a mean: Keras leaves it
+    unscaled, so summing gradients over replicas gives one device's. Weighed by examples as a
+    mean, it would give one device's divided by N (0.41 apart on a linear model, 2 replicas,
+    ``tests/training/test_equivalence.py``). With ``sum_scale`` given, each such sum is
+    multiplied by ``sum_scale()`` (the batch's examples over this replica's), which makes
+    it the mean that tfscale's weighing turns back into the batch's sum.
     """
     module = keras_loss_module()
     releases = [
         registry.install("loss-scaling-switch", module, name, _loss_scaling_switch)
         for name in ("scale_loss_for_distribution", "unscale_loss_for_distribution")
     ]
-    with _switched(_PER_REPLICA_LOSSES, True, releases):
-        yield
+    releases.append(
+        registry.install("loss-scaling-switch", module, "reduce_values", _summed_loss_switch)
+    )
+    token = _SUM_SCALE.set(sum_scale)
+    try:
+        with _switched(_PER_REPLICA_LOSSES, True, releases):
+            yield
+    finally:
+        _SUM_SCALE.reset(token)
 
 
 def tensorflow_variable_class() -> Any:

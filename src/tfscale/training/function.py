@@ -47,7 +47,13 @@ from tfscale.strategy.current import num_workers
 from tfscale.training.layercalls import layer_calls
 from tfscale.training.memory.oom import is_out_of_memory, out_of_memory_error
 from tfscale.training.optimizer import step_context
-from tfscale.training.xla import check_compilable, compiled_step, is_xla_failure, xla_error
+from tfscale.training.xla import (
+    check_compilable,
+    compiled_step,
+    in_compiled_step,
+    is_xla_failure,
+    xla_error,
+)
 
 __all__ = ["StepFunction", "StepTiming", "example_count"]
 
@@ -91,6 +97,56 @@ def example_count(data: Any) -> tf.Tensor:
     if first is None:
         return tf.constant(0.0)
     return tf.cast(_leading(first), tf.float32)
+
+
+def _examples_over_replicas(data: Any) -> tf.Tensor:
+    """The batch's examples (every replica's) over this replica's, 0 where it has none: one
+    scalar all-reduce."""
+    count = example_count(data)
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return tf.ones_like(count)
+    (total,) = internals.all_reduce_without_gradient(context, "sum", [count])
+    return tf.math.divide_no_nan(total, count)
+
+
+def _summed_losses(model: Any) -> list[str]:
+    """The names of the compiled losses that sum over the batch (``reduction="sum"``)."""
+    return [
+        type(loss).__name__
+        for loss in tf.nest.flatten(getattr(model, "loss", None))
+        if getattr(loss, "reduction", None) == "sum"
+    ]
+
+
+class _SumScale:
+    """What a loss reduced by summing is multiplied by in one replica's step
+    (``internals.replica_count_scaling_off``): the batch's examples over this replica's, so
+    that weighing replicas by examples gives the batch's sum. Made where the first such loss
+    is traced, in the replica's step; with ``precompute`` (XLA, where no all-reduce can run
+    inside the compiled step) made before the step when a compiled loss sums."""
+
+    def __init__(self, data: Any, model: Any, *, precompute: bool) -> None:
+        self.data, self.model = data, model
+        self.value = _examples_over_replicas(data) if precompute and _summed_losses(model) else None
+
+    def __call__(self) -> tf.Tensor:
+        if self.value is not None:
+            return self.value
+        if in_compiled_step():
+            raise TrainingError(
+                explain(
+                    'A loss summed over the batch (reduction="sum") is computed inside '
+                    "the train_step tfscale compiles with XLA; making it one device's sum "
+                    "needs an all-reduce of the replicas' example counts, which cannot run "
+                    "inside the compiled step.",
+                    received=f"{type(self.model).__name__}.train_step with jit_compile=True "
+                    'calling a Loss with reduction="sum" that model.compile was not given',
+                    fix="give the loss to model.compile(loss=...), use a mean reduction, or "
+                    "train with jit_compile=False.",
+                )
+            )
+        return _examples_over_replicas(self.data)
 
 
 def _first_replica_spec(spec: Any) -> Any:
@@ -188,7 +244,8 @@ class StepFunction:
         # same time (a TaskPool's) keeps its own (#21.4).
         model = self.model
         jit = bool(self.options.jit_compile)
-        with internals.replica_count_scaling_off():
+        sum_scale = _SumScale(data, model, precompute=jit)
+        with internals.replica_count_scaling_off(sum_scale):
             if self.kind == "test":
                 if jit:
                     return compiled_step(model.test_step, data, name=type(model).__name__)

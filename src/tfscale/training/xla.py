@@ -67,6 +67,11 @@ def _deferring() -> Iterator[list[_Deferred]]:
         _LOCAL.deferred = previous
 
 
+def in_compiled_step() -> bool:
+    """Whether this thread is tracing the compiled part of a step (:func:`compiled_step`)."""
+    return getattr(_LOCAL, "deferred", None) is not None
+
+
 def defer(update: Any, grads: Sequence[Any], variables: Sequence[Any] | None) -> bool:
     """Records an ``apply`` traced inside a compiled step (then True: apply nothing now).
 
