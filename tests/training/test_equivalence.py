@@ -308,8 +308,11 @@ def test_several_steps_per_call_under_mirroreds_default_collective_all_reduce() 
     assert float(result.stdout.split("difference")[-1]) <= 1e-5
 
 
-def _summing_regressor(strategy: tf.distribute.Strategy | None, **compile_args: object) -> object:
-    """A seeded 2-layer regressor whose loss is summed over the batch (reduction="sum")."""
+def _summing_regressor(
+    strategy: tf.distribute.Strategy | None, reduction: str | None = "sum"
+) -> object:
+    """A seeded 2-layer regressor whose loss's gradient is the sum over the batch
+    (``reduction="sum"``, or None: unreduced, which Keras's fit differentiates as its sum)."""
     scope = strategy.scope() if strategy is not None else tf.distribute.get_strategy().scope()
     with scope:
         keras.utils.set_random_seed(3)
@@ -317,22 +320,30 @@ def _summing_regressor(strategy: tf.distribute.Strategy | None, **compile_args: 
             [keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)]
         )
         model.compile(
-            keras.optimizers.SGD(0.002),
-            loss=keras.losses.MeanSquaredError(reduction="sum"),
-            **compile_args,
+            keras.optimizers.SGD(0.002), loss=keras.losses.MeanSquaredError(reduction=reduction)
         )
     return model
 
 
 @pytest.mark.parametrize(
-    "options",
-    [{}, {"steps_per_execution": 3}, {"jit_compile": True}, {"accumulation_steps": 2}],
-    ids=["plain", "steps_per_execution", "jit_compile", "accumulation_steps"],
+    ("reduction", "options"),
+    [
+        ("sum", {}),
+        ("sum", {"steps_per_execution": 3}),
+        ("sum", {"jit_compile": True}),
+        ("sum", {"accumulation_steps": 2}),
+        (None, {}),
+        (None, {"jit_compile": True}),
+    ],
+    ids=["plain", "steps_per_execution", "jit_compile", "accumulation_steps", "none", "none-jit"],
 )
-def test_a_loss_summed_over_the_batch_is_one_devices_sum(options: dict[str, object]) -> None:
-    """``reduction="sum"``: Keras leaves the sum unscaled under a strategy (the replicas'
-    gradients summed are one device's); tfscale weighs each replica's loss by its examples
-    as a mean, so it multiplies such a sum by the batch's examples over the replica's. Taken
+def test_a_loss_summed_over_the_batch_is_one_devices_sum(
+    reduction: str | None, options: dict[str, object]
+) -> None:
+    """``reduction="sum"`` (and None, whose vector Keras's fit differentiates as its sum):
+    Keras leaves the sum unscaled under a strategy (the replicas' gradients summed are one
+    device's); tfscale weighs each replica's loss by its examples as a mean, so it
+    multiplies such a sum by the batch's examples over the replica's. Taken
     for a mean, it gave one device's update divided by the replicas (0.41 apart). 57 examples
     in batches of 16 end with 9 (5 and 4 on 2 replicas), and the validation loss is a sum too.
     With accumulation, one device's reference is Keras's own ``gradient_accumulation_steps``
@@ -344,7 +355,7 @@ def test_a_loss_summed_over_the_batch_is_one_devices_sum(options: dict[str, obje
     y = (x @ rng.normal(size=(5, 1))).astype("float32")
     fit = {"batch_size": 16, "epochs": 2, "shuffle": False, "verbose": 0}
     fit["validation_data"] = (x[:20], y[:20])
-    reference = _summing_regressor(None)
+    reference = _summing_regressor(None, reduction)
     if accumulation is not None:
         optimizer = keras.optimizers.SGD(0.002, gradient_accumulation_steps=accumulation)
         reference.compile(optimizer, loss=reference.loss)
@@ -352,7 +363,7 @@ def test_a_loss_summed_over_the_batch_is_one_devices_sum(options: dict[str, obje
     with tf.device("/device:CPU:0"):
         one = reference.fit(x, y, **fit)
     strategy = strategy_for(2)
-    model = _summing_regressor(strategy)
+    model = _summing_regressor(strategy, reduction)
     model.set_weights(initial)
     history = tfscale.fit(model, x, y, strategy=strategy, **fit, **options)
     assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5
@@ -402,3 +413,38 @@ def test_a_loss_a_train_step_sums_itself_is_one_devices_sum_and_refused_under_ji
     with pytest.raises(tfscale.TrainingError, match='reduction="sum"'):
         tfscale.fit(compiled, x, y, batch_size=16, strategy=strategy, jit_compile=True, verbose=0)
     assert relative_difference(compiled.get_weights(), initial) == 0.0  # nothing trained
+
+
+def _weighted_mean_regressor(strategy: tf.distribute.Strategy | None) -> object:
+    scope = strategy.scope() if strategy is not None else tf.distribute.get_strategy().scope()
+    with scope:
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+        model.compile(
+            keras.optimizers.SGD(0.01),
+            loss=keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"),
+        )
+    return model
+
+
+def test_a_mean_over_the_sample_weights_divides_by_the_batchs_weights() -> None:
+    """``reduction="mean_with_sample_weight"`` divides by the sum of the sample weights: one
+    device the batch's, each replica its own share's (as Keras's own fit under a strategy
+    does: 0.05 apart here); tfscale makes each replica's mean its share of the batch's (one
+    scalar all-reduce of the weights). Weights that differ between the halves of each batch
+    make the shares' sums differ."""
+    rng = np.random.default_rng(19)
+    x = rng.normal(size=(64, 5)).astype("float32")
+    y = (x @ rng.normal(size=(5, 1))).astype("float32")
+    weights = np.where(np.arange(64) % 16 < 8, 0.2, 2.0).astype("float32")
+    fit = {"sample_weight": weights, "batch_size": 16, "epochs": 2, "shuffle": False}
+    reference = _weighted_mean_regressor(None)
+    initial = reference.get_weights()
+    with tf.device("/device:CPU:0"):
+        one = reference.fit(x, y, verbose=0, **fit)
+    strategy = strategy_for(2)
+    model = _weighted_mean_regressor(strategy)
+    model.set_weights(initial)
+    history = tfscale.fit(model, x, y, strategy=strategy, verbose=0, **fit)
+    assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5
+    assert relative_difference(history.history["loss"], one.history["loss"]) <= 1e-5

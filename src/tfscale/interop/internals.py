@@ -21,14 +21,16 @@ import contextvars
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from tfscale.interop import registry
 
 __all__ = [
     "DEFAULT_STRATEGY_CLASS",
+    "BatchTotals",
     "all_gather_without_gradient",
     "all_reduce_without_gradient",
+    "as_batch_sum",
     "atomic_variable_updates",
     "autocast",
     "autocast_dtype",
@@ -427,10 +429,21 @@ _ALL_REDUCE_REPLACEMENT: contextvars.ContextVar[Callable[[Any, Any], Any] | None
 _PER_REPLICA_LOSSES: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "tfscale_per_replica_losses", default=False
 )
-# While ``replica_count_scaling_off`` is entered with one: what a loss reduced by summing is
-# multiplied by (``Callable[[], tf.Tensor]``, the batch's examples over this replica's).
-_SUM_SCALE: contextvars.ContextVar[Callable[[], Any] | None] = contextvars.ContextVar(
-    "tfscale_sum_scale", default=None
+
+
+class BatchTotals(Protocol):
+    """What one replica's step knows of the whole batch (``replica_count_scaling_off``)."""
+
+    def examples_ratio(self) -> Any:
+        """The batch's examples over this replica's (a scalar tensor; 0 where it has none)."""
+
+    def total(self, value: Any) -> Any:
+        """The sum of a scalar ``value`` over every replica of the step."""
+
+
+# While ``replica_count_scaling_off`` is entered with them: the step's ``BatchTotals``.
+_BATCH_TOTALS: contextvars.ContextVar[BatchTotals | None] = contextvars.ContextVar(
+    "tfscale_batch_totals", default=None
 )
 
 
@@ -575,25 +588,45 @@ def _loss_scaling_switch(keras: Callable[..., Any]) -> Callable[..., Any]:
     return switched
 
 
-def _summed_loss_switch(keras: Callable[..., Any]) -> Callable[..., Any]:
+def _batch_reduction_switch(keras: Callable[..., Any]) -> Callable[..., Any]:
     def switched(
         values: Any, sample_weight: Any = None, reduction: str = "sum_over_batch_size"
     ) -> Any:
         loss = keras(values, sample_weight, reduction)
-        scale = _SUM_SCALE.get()
-        # Keras returns ``values`` themselves where nothing is summed (no reduction, or a
+        # Keras returns ``values`` themselves where nothing is reduced (no reduction, or a
         # scalar the loss function reduced itself): those stay per-replica means.
-        if scale is None or reduction != "sum" or tuple(values.shape) in ((), (0,)):
+        if tuple(values.shape) in ((), (0,)):
             return loss
-        import tensorflow as tf
+        if reduction == "sum":
+            return as_batch_sum(loss)
+        totals = _BATCH_TOTALS.get()
+        if reduction == "mean_with_sample_weight" and sample_weight is not None and totals:
+            # Keras divides by this replica's sum of weights; one device by the batch's.
+            import tensorflow as tf
 
-        return loss * tf.cast(scale(), loss.dtype)
+            weights = tf.cast(tf.reduce_sum(sample_weight), loss.dtype)
+            share = tf.math.divide_no_nan(weights, tf.cast(totals.total(weights), loss.dtype))
+            return as_batch_sum(loss * share)
+        return loss
 
     return switched
 
 
+def as_batch_sum(value: Any) -> Any:
+    """``value``, this replica's sum over its share of the batch, made the per-replica mean
+    that tfscale's weighing by examples turns into the batch's sum: times the batch's
+    examples over the replica's, while :func:`replica_count_scaling_off` is entered with
+    ``totals``; else ``value`` itself (see there)."""
+    totals = _BATCH_TOTALS.get()
+    if totals is None:
+        return value
+    import tensorflow as tf
+
+    return value * tf.cast(totals.examples_ratio(), value.dtype)
+
+
 @contextlib.contextmanager
-def replica_count_scaling_off(sum_scale: Callable[[], Any] | None = None) -> Iterator[None]:
+def replica_count_scaling_off(totals: BatchTotals | None = None) -> Iterator[None]:
     """Lets losses computed while this is active, in this thread, be per-replica means.
 
     Under a strategy with N replicas Keras divides each ``Loss`` result and the sum of the
@@ -607,12 +640,15 @@ def replica_count_scaling_off(sum_scale: Callable[[], Any] | None = None) -> Ite
     this sees it: enter it inside the replica function (MirroredStrategy runs each replica in
     a thread of its own); other threads keep Keras's scaling.
 
-    A ``Loss`` with ``reduction="sum"`` is the sum over the batch, not a mean: Keras leaves it
-    unscaled, so summing gradients over replicas gives one device's. Weighed by examples as a
-    mean, it would give one device's divided by N (0.41 apart on a linear model, 2 replicas,
-    ``tests/training/test_equivalence.py``). With ``sum_scale`` given, each such sum is
-    multiplied by ``sum_scale()`` (the batch's examples over this replica's), which makes
-    it the mean that tfscale's weighing turns back into the batch's sum.
+    Two Keras reductions are not per-replica means. ``reduction="sum"`` is the sum over the
+    batch: Keras leaves it unscaled, so summing gradients over replicas gives one device's;
+    weighed by examples as a mean, it gave one device's divided by N (0.41 apart on a small
+    regressor, 2 replicas, ``tests/training/test_equivalence.py``). ``"mean_with_sample_weight"``
+    divides by the sum of the replica's sample weights, one device by the batch's (Keras's
+    own fit under a strategy too: 0.57 apart there). With ``totals`` given, a sum is
+    multiplied by the batch's examples over the replica's, which tfscale's weighing turns
+    back into the batch's sum, and a weighted mean is first made this replica's share of the
+    batch's weighted sum (one scalar all-reduce of the weights).
     """
     module = keras_loss_module()
     releases = [
@@ -620,14 +656,14 @@ def replica_count_scaling_off(sum_scale: Callable[[], Any] | None = None) -> Ite
         for name in ("scale_loss_for_distribution", "unscale_loss_for_distribution")
     ]
     releases.append(
-        registry.install("loss-scaling-switch", module, "reduce_values", _summed_loss_switch)
+        registry.install("loss-scaling-switch", module, "reduce_values", _batch_reduction_switch)
     )
-    token = _SUM_SCALE.set(sum_scale)
+    token = _BATCH_TOTALS.set(totals)
     try:
         with _switched(_PER_REPLICA_LOSSES, True, releases):
             yield
     finally:
-        _SUM_SCALE.reset(token)
+        _BATCH_TOTALS.reset(token)
 
 
 def tensorflow_variable_class() -> Any:

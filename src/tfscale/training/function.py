@@ -99,54 +99,66 @@ def example_count(data: Any) -> tf.Tensor:
     return tf.cast(_leading(first), tf.float32)
 
 
-def _examples_over_replicas(data: Any) -> tf.Tensor:
-    """The batch's examples (every replica's) over this replica's, 0 where it has none: one
-    scalar all-reduce."""
-    count = example_count(data)
+def _replicas_sum(value: tf.Tensor) -> tf.Tensor:
+    """The sum of a scalar over the step's replicas: one scalar all-reduce."""
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
-        return tf.ones_like(count)
-    (total,) = internals.all_reduce_without_gradient(context, "sum", [count])
-    return tf.math.divide_no_nan(total, count)
+        return value
+    (total,) = internals.all_reduce_without_gradient(context, "sum", [value])
+    return total
 
 
 def _summed_losses(model: Any) -> list[str]:
-    """The names of the compiled losses that sum over the batch (``reduction="sum"``)."""
+    """The names of the compiled losses whose gradient is the sum over the batch
+    (``reduction="sum"``, or None: unreduced)."""
     return [
         type(loss).__name__
         for loss in tf.nest.flatten(getattr(model, "loss", None))
-        if getattr(loss, "reduction", None) == "sum"
+        if isinstance(loss, keras.losses.Loss) and loss.reduction in ("sum", None)
     ]
 
 
-class _SumScale:
-    """What a loss reduced by summing is multiplied by in one replica's step
-    (``internals.replica_count_scaling_off``): the batch's examples over this replica's, so
-    that weighing replicas by examples gives the batch's sum. Made where the first such loss
-    is traced, in the replica's step; with ``precompute`` (XLA, where no all-reduce can run
-    inside the compiled step) made before the step when a compiled loss sums."""
+class _BatchTotals:
+    """What one replica's step knows of the whole batch (``internals.BatchTotals``), for the
+    losses that are not per-replica means (``internals.replica_count_scaling_off``). Each
+    total is an all-reduce made where the loss needing it is traced, in the replica's step;
+    with ``precompute`` (XLA, where no all-reduce can run inside the compiled step) the
+    examples' ratio is made before the step when a compiled loss sums, and a total asked for
+    inside the compiled step is refused."""
 
     def __init__(self, data: Any, model: Any, *, precompute: bool) -> None:
         self.data, self.model = data, model
-        self.value = _examples_over_replicas(data) if precompute and _summed_losses(model) else None
+        self.ratio = self._ratio() if precompute and _summed_losses(model) else None
 
-    def __call__(self) -> tf.Tensor:
-        if self.value is not None:
-            return self.value
+    def _ratio(self) -> tf.Tensor:
+        count = example_count(self.data)
+        return tf.math.divide_no_nan(_replicas_sum(count), count)
+
+    def examples_ratio(self) -> tf.Tensor:
+        if self.ratio is not None:
+            return self.ratio
+        self._refuse_in_compiled_step()
+        return self._ratio()
+
+    def total(self, value: tf.Tensor) -> tf.Tensor:
+        self._refuse_in_compiled_step()
+        return _replicas_sum(value)
+
+    def _refuse_in_compiled_step(self) -> None:
         if in_compiled_step():
             raise TrainingError(
                 explain(
-                    'A loss summed over the batch (reduction="sum") is computed inside '
-                    "the train_step tfscale compiles with XLA; making it one device's sum "
-                    "needs an all-reduce of the replicas' example counts, which cannot run "
-                    "inside the compiled step.",
+                    'A loss reduced over the whole batch (reduction="sum", None, or '
+                    '"mean_with_sample_weight" with sample weights) is computed inside the '
+                    "train_step tfscale compiles with XLA; making it one device's needs an "
+                    "all-reduce over the replicas, which cannot run inside the compiled step.",
                     received=f"{type(self.model).__name__}.train_step with jit_compile=True "
-                    'calling a Loss with reduction="sum" that model.compile was not given',
-                    fix="give the loss to model.compile(loss=...), use a mean reduction, or "
-                    "train with jit_compile=False.",
+                    "computing such a loss (not one model.compile was given with "
+                    'reduction="sum" or None)',
+                    fix="give a summed loss to model.compile(loss=...), use the default "
+                    "reduction (sum_over_batch_size), or train with jit_compile=False.",
                 )
             )
-        return _examples_over_replicas(self.data)
 
 
 def _first_replica_spec(spec: Any) -> Any:
@@ -244,8 +256,8 @@ class StepFunction:
         # same time (a TaskPool's) keeps its own (#21.4).
         model = self.model
         jit = bool(self.options.jit_compile)
-        sum_scale = _SumScale(data, model, precompute=jit)
-        with internals.replica_count_scaling_off(sum_scale):
+        totals = _BatchTotals(data, model, precompute=jit)
+        with internals.replica_count_scaling_off(totals):
             if self.kind == "test":
                 if jit:
                     return compiled_step(model.test_step, data, name=type(model).__name__)

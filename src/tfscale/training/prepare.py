@@ -251,6 +251,12 @@ class Prepared:
         x = args[0] if args else kwargs.get("x")
         if loss is None or x is None:
             return loss
+        if getattr(loss, "shape", None) is not None and loss.shape.rank:
+            # Unreduced (a compiled Loss with reduction=None): its gradient is the sum over
+            # the replica's examples, one device's the batch's sum (as reduction="sum").
+            # Keras's loss tracker averages its elements: their values stay as they are.
+            scaled = internals.as_batch_sum(loss)
+            loss = tf.stop_gradient(loss) + (scaled - tf.stop_gradient(scaled))
         return tf.where(example_count((x,)) > 0, loss, tf.zeros_like(loss))
 
     def get_metrics_result(self, own: Callable[[], Any]) -> Any:
