@@ -159,11 +159,9 @@ def test_models_under_tfscale_launch_give_one_device_weights(tmp_path: Path) -> 
 
 # -- a loss normalized over the batch ------------------------------------------------------------
 @pytest.mark.parametrize("case", [param(case) for case in DETECTION_CASES])
-def test_retinanets_loss_is_one_devices_once_normalized_by_the_replicas_mean_count(
-    case: Case,
-) -> None:
-    """KerasHub's RetinaNet divides its loss by the positive anchors of the batch it is given:
-    under 2 replicas each divides by its own share's, and the update is not one device's
-    (asserted as the known difference); divided by the replicas' mean count
-    (``MeanCountRetinaNet``, docs/training.md "Losses normalized over the batch") it is."""
+def test_retinanets_loss_is_one_devices_once_normalized_by_the_batchs_count(case: Case) -> None:
+    """KerasHub's RetinaNet divides its summed loss by the positive anchors of the batch it is
+    given: under 2 replicas each divides by its own share's, and the update is not one
+    device's (asserted as the known difference); divided by the whole batch's count
+    (``BatchCountRetinaNet``, docs/training.md "Losses normalized over the batch") it is."""
     run_case(case, strategy_for(2))

@@ -438,7 +438,8 @@ class BatchTotals(Protocol):
         """The batch's examples over this replica's (a scalar tensor; 0 where it has none)."""
 
     def total(self, value: Any) -> Any:
-        """The sum of a scalar ``value`` over every replica of the step."""
+        """The sum of a scalar ``value`` over every replica of the step; None where it
+        cannot be made (inside an XLA-compiled step)."""
 
 
 # While ``replica_count_scaling_off`` is entered with them: the step's ``BatchTotals``.
@@ -599,17 +600,50 @@ def _batch_reduction_switch(keras: Callable[..., Any]) -> Callable[..., Any]:
             return loss
         if reduction == "sum":
             return as_batch_sum(loss)
-        totals = _BATCH_TOTALS.get()
-        if reduction == "mean_with_sample_weight" and sample_weight is not None and totals:
+        if reduction == "mean_with_sample_weight" and sample_weight is not None:
             # Keras divides by this replica's sum of weights; one device by the batch's.
-            import tensorflow as tf
-
-            weights = tf.cast(tf.reduce_sum(sample_weight), loss.dtype)
-            share = tf.math.divide_no_nan(weights, tf.cast(totals.total(weights), loss.dtype))
-            return as_batch_sum(loss * share)
+            return _share_of_batch(loss, sample_weight)
         return loss
 
     return switched
+
+
+def _masked_mean_switch(keras: Callable[..., Any]) -> Callable[..., Any]:
+    def switched(
+        values: Any,
+        sample_weight: Any = None,
+        mask: Any = None,
+        reduction: Any = "sum_over_batch_size",
+        dtype: Any = None,
+    ) -> Any:
+        loss = keras(values, sample_weight, mask, reduction, dtype)
+        # A mask makes a mean divide by this replica's unmasked entries (Keras's apply_mask:
+        # weights of total / valid); one device divides by the batch's.
+        if mask is None or reduction not in ("mean", "sum_over_batch_size"):
+            return loss
+        if tuple(getattr(values, "shape", ())) in ((), (0,)):
+            return loss
+        return _share_of_batch(loss, mask)
+
+    return switched
+
+
+def _share_of_batch(loss: Any, weights: Any) -> Any:
+    """``loss``, a mean divided by this replica's sum of ``weights`` (its sample weights or
+    its unmasked entries), made its share of the batch's: times that sum over the batch's,
+    then as a sum (:func:`as_batch_sum`). Unchanged without the step's totals, or where the
+    batch's sum cannot be made (inside an XLA-compiled step: each replica's own mean, as
+    Keras's own fit under a strategy gives)."""
+    totals = _BATCH_TOTALS.get()
+    if totals is None:
+        return loss
+    import tensorflow as tf
+
+    local = tf.reduce_sum(tf.cast(weights, loss.dtype))
+    total = totals.total(local)
+    if total is None:
+        return loss
+    return as_batch_sum(loss * tf.math.divide_no_nan(local, tf.cast(total, loss.dtype)))
 
 
 def as_batch_sum(value: Any) -> Any:
@@ -640,15 +674,16 @@ def replica_count_scaling_off(totals: BatchTotals | None = None) -> Iterator[Non
     this sees it: enter it inside the replica function (MirroredStrategy runs each replica in
     a thread of its own); other threads keep Keras's scaling.
 
-    Two Keras reductions are not per-replica means. ``reduction="sum"`` is the sum over the
+    Three Keras reductions are not per-replica means. ``reduction="sum"`` is the sum over the
     batch: Keras leaves it unscaled, so summing gradients over replicas gives one device's;
     weighed by examples as a mean, it gave one device's divided by N (0.41 apart on a small
     regressor, 2 replicas, ``tests/training/test_equivalence.py``). ``"mean_with_sample_weight"``
     divides by the sum of the replica's sample weights, one device by the batch's (Keras's
-    own fit under a strategy too: 0.57 apart there). With ``totals`` given, a sum is
-    multiplied by the batch's examples over the replica's, which tfscale's weighing turns
-    back into the batch's sum, and a weighted mean is first made this replica's share of the
-    batch's weighted sum (one scalar all-reduce of the weights).
+    own fit under a strategy too: 0.05 apart on a small regressor), and a mean under a mask
+    by the replica's unmasked entries. With ``totals`` given, a sum is multiplied by the
+    batch's examples over the replica's, which tfscale's weighing turns back into the batch's
+    sum, and a weighted or masked mean is first made this replica's share of the batch's
+    (one scalar all-reduce of the weights or the unmasked entries).
     """
     module = keras_loss_module()
     releases = [
@@ -657,6 +692,11 @@ def replica_count_scaling_off(totals: BatchTotals | None = None) -> Iterator[Non
     ]
     releases.append(
         registry.install("loss-scaling-switch", module, "reduce_values", _batch_reduction_switch)
+    )
+    releases.append(
+        registry.install(
+            "loss-scaling-switch", module, "reduce_weighted_values", _masked_mean_switch
+        )
     )
     token = _BATCH_TOTALS.set(totals)
     try:

@@ -170,12 +170,17 @@ INTERCEPTIONS: tuple[Interception, ...] = (
     Interception(
         "loss-scaling-switch",
         "keras.src.losses.loss",
-        ("scale_loss_for_distribution", "unscale_loss_for_distribution", "reduce_values"),
+        (
+            "scale_loss_for_distribution",
+            "unscale_loss_for_distribution",
+            "reduce_values",
+            "reduce_weighted_values",
+        ),
         "while-needed",
         "Keras divides losses by the replica count, which an uneven batch split weighs "
         "wrongly; tfscale weighs by example counts, so losses are per-replica means in the "
-        "thread tracing tfscale's step (a loss reduced by summing made one: times the "
-        "batch's examples over the replica's)",
+        "thread tracing tfscale's step (a sum, a sample-weighted or a masked mean made one: "
+        "times the batch's examples, weights or unmasked entries over the replica's)",
         "tensorflow/tensorflow#42446",
     ),
     Interception(

@@ -123,8 +123,9 @@ class _BatchTotals:
     losses that are not per-replica means (``internals.replica_count_scaling_off``). Each
     total is an all-reduce made where the loss needing it is traced, in the replica's step;
     with ``precompute`` (XLA, where no all-reduce can run inside the compiled step) the
-    examples' ratio is made before the step when a compiled loss sums, and a total asked for
-    inside the compiled step is refused."""
+    examples' ratio is made before the step when a compiled loss sums, a ratio asked for
+    inside the compiled step is refused, and a total there is None (the mean stays the
+    replica's own)."""
 
     def __init__(self, data: Any, model: Any, *, precompute: bool) -> None:
         self.data, self.model = data, model
@@ -140,18 +141,17 @@ class _BatchTotals:
         self._refuse_in_compiled_step()
         return self._ratio()
 
-    def total(self, value: tf.Tensor) -> tf.Tensor:
-        self._refuse_in_compiled_step()
-        return _replicas_sum(value)
+    def total(self, value: tf.Tensor) -> tf.Tensor | None:
+        return None if in_compiled_step() else _replicas_sum(value)
 
     def _refuse_in_compiled_step(self) -> None:
         if in_compiled_step():
             raise TrainingError(
                 explain(
-                    'A loss reduced over the whole batch (reduction="sum", None, or '
-                    '"mean_with_sample_weight" with sample weights) is computed inside the '
-                    "train_step tfscale compiles with XLA; making it one device's needs an "
-                    "all-reduce over the replicas, which cannot run inside the compiled step.",
+                    'A loss summed over the batch (reduction="sum" or None) is computed '
+                    "inside the train_step tfscale compiles with XLA; making it one device's "
+                    "sum needs an all-reduce of the replicas' example counts, which cannot run "
+                    "inside the compiled step.",
                     received=f"{type(self.model).__name__}.train_step with jit_compile=True "
                     "computing such a loss (not one model.compile was given with "
                     'reduction="sum" or None)',

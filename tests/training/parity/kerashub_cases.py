@@ -211,10 +211,10 @@ def detection_data() -> tuple[np.ndarray, dict[str, np.ndarray]]:
     return aligned(x), {"boxes": aligned(boxes), "labels": aligned(labels)}
 
 
-class MeanCountRetinaNet(keras_hub.models.RetinaNetObjectDetector):  # type: ignore[misc]
-    """KerasHub's RetinaNet with its loss normalized by the replicas' mean count of positive
-    anchors instead of each replica's own (docs/training.md, "Losses normalized over the
-    batch"): KerasHub's loss times this replica's count over that mean. On one device (no
+class BatchCountRetinaNet(keras_hub.models.RetinaNetObjectDetector):  # type: ignore[misc]
+    """KerasHub's RetinaNet with its loss normalized by the positive anchors of the whole
+    batch instead of each replica's share's (docs/training.md, "Losses normalized over the
+    batch"): KerasHub's loss times this replica's count over the batch's. On one device (no
     strategy, or one replica) the factor is 1."""
 
     def compute_loss(
@@ -235,12 +235,12 @@ class MeanCountRetinaNet(keras_hub.models.RetinaNetObjectDetector):  # type: ign
         count = keras.ops.sum(keras.ops.cast(keras.ops.greater(labels, -1.0), "float32"))
         # None in cross-replica context: Keras's symbolic build, which only reads shapes.
         context = tf.distribute.get_replica_context()
-        mean = count if context is None else context.all_reduce("mean", count)
-        return loss * keras.ops.maximum(count, 1.0) / keras.ops.maximum(mean, 1.0)
+        total = count if context is None else context.all_reduce("sum", count)
+        return loss * keras.ops.maximum(count, 1.0) / keras.ops.maximum(total, 1.0)
 
 
-def retinanet(reference: bool = False, mean_count: bool = False) -> Any:
-    """``RetinaNetObjectDetector`` (or :class:`MeanCountRetinaNet`) on a tiny ResNet whose
+def retinanet(reference: bool = False, batch_count: bool = False) -> Any:
+    """``RetinaNetObjectDetector`` (or :class:`BatchCountRetinaNet`) on a tiny ResNet whose
     weights are frozen (its BatchNormalization then normalizes with its moving statistics,
     alike on every replica), a feature pyramid of levels 3-4 and one convolution per head;
     SGD at 1e-4 (its untrained loss is in the hundreds)."""
@@ -259,7 +259,7 @@ def retinanet(reference: bool = False, mean_count: bool = False) -> Any:
     backbone = keras_hub.models.RetinaNetBackbone(
         image_encoder=encoder, min_level=3, max_level=4, use_p5=False, image_shape=(32, 32, 3)
     )
-    kind = MeanCountRetinaNet if mean_count else keras_hub.models.RetinaNetObjectDetector
+    kind = BatchCountRetinaNet if batch_count else keras_hub.models.RetinaNetObjectDetector
     model = kind(backbone, num_classes=CLASSES, pre_logits_num_conv_layers=1)
     model.compile(optimizer=keras.optimizers.SGD(1e-4), run_eagerly=reference)
     return model
@@ -410,14 +410,15 @@ def update_norm(run: Run) -> float:
 
 
 def larger_update_than_one_device(expected: Run, got: Run) -> None:
-    """Each replica divides the loss of its share by its own positive anchors (about half the
-    batch's on 2 replicas), so the update is larger than one device's and the weights far
-    from it: the difference docs/training.md states ("Losses normalized over the batch")."""
+    """Each replica divides the sum of its share's losses by its own positive anchors (about
+    half the batch's on 2 replicas), so the update is larger than one device's (about twice,
+    as under Keras's own fit) and the weights far from it: the difference docs/training.md
+    states ("Losses normalized over the batch")."""
     from tfscale.testing import relative_difference
 
     ratio = update_norm(got) / update_norm(expected)
     difference = relative_difference(got.model.get_weights(), expected.model.get_weights())
-    assert ratio > 1.1 and difference > 0.1, (ratio, difference)
+    assert ratio > 1.5 and difference > 0.5, (ratio, difference)
 
 
 DETECTION_SOURCE = SOURCE.format("RetinaNetObjectDetector")
@@ -436,11 +437,11 @@ DETECTION_CASES = [
         ),
     ),
     Case(
-        "retinanet_mean_count_sgd",
-        f"{DETECTION_SOURCE}, normalized by the replicas' mean count (MeanCountRetinaNet)",
-        lambda: retinanet(mean_count=True),
+        "retinanet_batch_count_sgd",
+        f"{DETECTION_SOURCE}, normalized by the batch's count (BatchCountRetinaNet)",
+        lambda: retinanet(batch_count=True),
         _fit(detection_data),
-        reference_build=lambda: retinanet(reference=True, mean_count=True),
+        reference_build=lambda: retinanet(reference=True, batch_count=True),
         # The heads' own losses in History are KerasHub's, each replica's normalized by its count.
         checks=[
             same_weights_per_variable(WEIGHTS_RTOL),
