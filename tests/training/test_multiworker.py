@@ -25,6 +25,7 @@ _WORKER = (
     + """
 from tfscale.training import Trainer
 from tfscale.training.prepare import prepared
+from training.test_multiworker import summed_loss
 
 for name in ("sgd", "adam"):
     model = tiny_model(strategy, name)
@@ -44,6 +45,14 @@ for name, options in variants.items():
     data = batches(x, y, 32)
     tfscale.fit(model, data, steps_per_epoch=5, strategy=strategy, verbose=0, **options)
     weights.update({f"{name}_{i}": w for i, w in enumerate(model.get_weights())})
+
+# A loss summed over the batch: each worker's sum made its share of the batch's (a scalar
+# collective of the example counts across the workers).
+model = tiny_model(strategy, "sgd", lr=0.002)
+with strategy.scope():
+    model.compile(model.optimizer, loss=summed_loss())
+tfscale.fit(model, batches(x, y, 32), steps_per_epoch=5, strategy=strategy, verbose=0)
+weights.update({f"summed_{i}": w for i, w in enumerate(model.get_weights())})
 
 # Seed 001's pattern: Keras's own model.fit under MultiWorkerMirroredStrategy, after one
 # added line (tfscale.prepare).
@@ -101,6 +110,13 @@ with open(out + ".json", "w") as handle:
 )
 
 
+def summed_loss() -> object:
+    """The tiny model's loss summed over the batch (``reduction="sum"``)."""
+    import keras
+
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+
+
 def _run_workers(tmp_path: Path, timeout: float = 240.0) -> list[dict[str, object]]:
     outputs = run_workers(_WORKER, [str(tmp_path / "w"), str(TESTS)], timeout=timeout)
     reports = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(2)]
@@ -132,6 +148,15 @@ def test_two_workers_equal_mirrored_over_two_cpus(tmp_path: Path) -> None:
                 assert relative_difference(several, mirrored) <= 1e-5, "steps_per_execution"
                 compressed = [worker[f"bf16_{i}"] for i in range(len(mirrored))]
                 assert 0.0 < relative_difference(compressed, mirrored) <= 2e-2, "bf16"
+    # The summed loss across the workers: the 2 logical CPUs' weights (which are one
+    # device's, tests/training/test_equivalence.py).
+    model = tiny_model(strategy, "sgd", lr=0.002)
+    with strategy.scope():
+        model.compile(model.optimizer, loss=summed_loss())
+    tfscale.fit(model, batches(x, y, 32), steps_per_epoch=5, strategy=strategy, verbose=0)
+    for worker in weights:
+        got = [worker[f"summed_{i}"] for i in range(len(model.get_weights()))]
+        assert relative_difference(got, model.get_weights()) <= 1e-5, "summed loss"
     # The progress bar: printed by the chief (worker 0) only.
     assert "5/5" in str(reports[0]["stdout"]) and "5/5" not in str(reports[1]["stdout"])
     for report in reports:
