@@ -250,3 +250,40 @@ def test_a_model_without_call_is_compiled_at_its_first_step(replicas: int) -> No
         verbose=0,
     )
     assert relative_difference(compiled.get_weights(), reference.get_weights()) <= 1e-5
+
+
+def _masked_tagger(strategy: tf.distribute.Strategy) -> Any:
+    """Per-token logits over zero-padded sequences (``mask_zero``: the loss is masked)."""
+    with strategy.scope():
+        keras.utils.set_random_seed(7)
+        inputs = keras.Input((6,), dtype="int32")
+        hidden = keras.layers.Embedding(20, 4, mask_zero=True)(inputs)
+        model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+        model.compile(
+            keras.optimizers.SGD(0.5),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    return model
+
+
+def test_a_masked_mean_under_jit_stays_each_replicas_own_as_under_keras() -> None:
+    """Outside XLA a masked mean is made each replica's share of the batch's (an all-reduce
+    of the unmasked tokens, tests/training/parity ``masked_token_loss``); inside the compiled
+    step no all-reduce can run, so each replica's mean stays its own (docs/training.md,
+    "Losses normalized over the batch"): Keras's own fit under the same strategy, where the
+    halves of each batch hold different token counts."""
+    rng = np.random.default_rng(21)
+    tokens = rng.integers(1, 20, size=(32, 6)).astype("int32")
+    lengths = np.where(np.arange(32) % 8 < 4, 2, 6)  # 8 and 24 tokens in each batch's halves
+    tokens[np.arange(6)[None, :] >= lengths[:, None]] = 0
+    tags = (tokens % 3).astype("int32")
+    strategy = strategy_for(2)
+    keras_model = _masked_tagger(strategy)
+    keras_model.fit(tokens, tags, batch_size=8, shuffle=False, verbose=0)
+    model = _masked_tagger(strategy)
+    tfscale.fit(model, tokens, tags, batch_size=8, shuffle=False, verbose=0,
+                strategy=strategy, jit_compile=True)  # fmt: skip
+    assert relative_difference(model.get_weights(), keras_model.get_weights()) <= 1e-4
+    exact = _masked_tagger(strategy)
+    tfscale.fit(exact, tokens, tags, batch_size=8, shuffle=False, verbose=0, strategy=strategy)
+    assert relative_difference(exact.get_weights(), keras_model.get_weights()) > 1e-3

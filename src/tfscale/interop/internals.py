@@ -674,8 +674,8 @@ def replica_count_scaling_off(totals: BatchTotals | None = None) -> Iterator[Non
     this sees it: enter it inside the replica function (MirroredStrategy runs each replica in
     a thread of its own); other threads keep Keras's scaling.
 
-    Three Keras reductions are not per-replica means. ``reduction="sum"`` is the sum over the
-    batch: Keras leaves it unscaled, so summing gradients over replicas gives one device's;
+    Three Keras reductions, and masked means, are not per-replica means. ``reduction="sum"``
+    is the sum over the batch: Keras leaves it unscaled, so summing gradients over replicas gives one device's;
     weighed by examples as a mean, it gave one device's divided by N (0.41 apart on a small
     regressor, 2 replicas, ``tests/training/test_equivalence.py``). ``"mean_with_sample_weight"``
     divides by the sum of the replica's sample weights, one device by the batch's (Keras's

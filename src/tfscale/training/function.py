@@ -108,14 +108,13 @@ def _replicas_sum(value: tf.Tensor) -> tf.Tensor:
     return total
 
 
-def _summed_losses(model: Any) -> list[str]:
-    """The names of the compiled losses whose gradient is the sum over the batch
-    (``reduction="sum"``, or None: unreduced)."""
-    return [
-        type(loss).__name__
+def _compiles_a_summed_loss(model: Any) -> bool:
+    """Whether a compiled loss's gradient is the sum over the batch (``reduction="sum"``,
+    or None: unreduced)."""
+    return any(
+        isinstance(loss, keras.losses.Loss) and loss.reduction in ("sum", None)
         for loss in tf.nest.flatten(getattr(model, "loss", None))
-        if isinstance(loss, keras.losses.Loss) and loss.reduction in ("sum", None)
-    ]
+    )
 
 
 class _BatchTotals:
@@ -129,7 +128,7 @@ class _BatchTotals:
 
     def __init__(self, data: Any, model: Any, *, precompute: bool) -> None:
         self.data, self.model = data, model
-        self.ratio = self._ratio() if precompute and _summed_losses(model) else None
+        self.ratio = self._ratio() if precompute and _compiles_a_summed_loss(model) else None
 
     def _ratio(self) -> tf.Tensor:
         count = example_count(self.data)
