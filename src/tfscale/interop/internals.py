@@ -674,16 +674,16 @@ def replica_count_scaling_off(totals: BatchTotals | None = None) -> Iterator[Non
     this sees it: enter it inside the replica function (MirroredStrategy runs each replica in
     a thread of its own); other threads keep Keras's scaling.
 
-    Three Keras reductions, and masked means, are not per-replica means. ``reduction="sum"``
-    is the sum over the batch: Keras leaves it unscaled, so summing gradients over replicas gives one device's;
-    weighed by examples as a mean, it gave one device's divided by N (0.41 apart on a small
-    regressor, 2 replicas, ``tests/training/test_equivalence.py``). ``"mean_with_sample_weight"``
-    divides by the sum of the replica's sample weights, one device by the batch's (Keras's
-    own fit under a strategy too: 0.05 apart on a small regressor), and a mean under a mask
-    by the replica's unmasked entries. With ``totals`` given, a sum is multiplied by the
-    batch's examples over the replica's, which tfscale's weighing turns back into the batch's
-    sum, and a weighted or masked mean is first made this replica's share of the batch's
-    (one scalar all-reduce of the weights or the unmasked entries).
+    Three Keras reductions, and masked means, are not per-replica means. ``reduction="sum"`` is
+    the sum over the batch: Keras leaves it unscaled, so summing gradients over replicas gives
+    one device's; weighed by examples as a mean, it gave one device's divided by N (0.41 apart
+    on a small regressor, 2 replicas, ``tests/training/test_equivalence.py``).
+    ``"mean_with_sample_weight"`` divides by the sum of the replica's sample weights, one device
+    by the batch's (Keras's own fit under a strategy too: 0.05 apart on a small regressor), and
+    a mean under a mask by the replica's unmasked entries. With ``totals`` given, a sum is
+    multiplied by the batch's examples over the replica's, which tfscale's weighing turns back
+    into the batch's sum, and a weighted or masked mean is first made this replica's share of
+    the batch's (one scalar all-reduce of the weights or the unmasked entries).
     """
     module = keras_loss_module()
     releases = [
