@@ -277,13 +277,17 @@ def convention_loop(
         optimizer = keras.optimizers.SGD(lr)
         mean = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    if convention == "model_compute_loss":
+        model.compile(optimizer=optimizer, loss=mean)  # what model.compute_loss computes
     if prepare is not None:
         prepare(model, optimizer)
 
     def step(xb: Any, yb: Any) -> Any:
         with tf.GradientTape() as tape:
             logits = model(xb, training=True)
-            if convention == "keras_object":
+            if convention == "model_compute_loss":  # the compiled loss and model.losses
+                loss = model.compute_loss(x=xb, y=yb, y_pred=logits)
+            elif convention == "keras_object":
                 loss = mean(yb, logits)
             elif convention == "reduce_mean":
                 loss = tf.reduce_mean(per_example(yb, logits))

@@ -4,6 +4,7 @@ per update. Weights are compared after 5 updates against a hand-written single-d
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import keras
 import numpy as np
@@ -448,3 +449,83 @@ def test_a_mean_over_the_sample_weights_divides_by_the_batchs_weights() -> None:
     history = tfscale.fit(model, x, y, strategy=strategy, verbose=0, **fit)
     assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5
     assert relative_difference(history.history["loss"], one.history["loss"]) <= 1e-5
+
+
+_PER_EXAMPLE = keras.losses.MeanSquaredError(reduction=None)
+
+
+class _SumsInComputeLoss(keras.Sequential):  # type: ignore[misc]
+    """A ``compute_loss`` override whose loss sums over the batch, written three ways:
+    ``keras_io``, keras-io's masked language model's (``keras.ops.sum`` of a ``Loss`` with
+    ``reduction=None``, the sample weights passed to it); ``global_batch``, TensorFlow's
+    custom-loop convention (a sum divided by the global batch) plus the model's
+    regularization and a hand-made L2 of a kernel (per-replica constants, which stay as they
+    are); ``listed``, a sum of a list of terms (``keras.ops.sum([...])``) mixing a sum over
+    the examples with a ``tf.reduce_mean``."""
+
+    way = "keras_io"
+
+    def compute_loss(
+        self, x: Any = None, y: Any = None, y_pred: Any = None, sample_weight: Any = None,
+        training: bool = True,
+    ) -> Any:  # fmt: skip
+        per_example = _PER_EXAMPLE(y, y_pred, sample_weight)
+        if self.way == "keras_io":
+            return keras.ops.sum(per_example)
+        if self.way == "global_batch":
+            kernel = self.layers[0].kernel
+            hand_l2 = 0.01 * keras.ops.sum(keras.ops.square(kernel))
+            return tf.reduce_sum(per_example) / 16.0 + tf.add_n(self.losses) + hand_l2
+        return keras.ops.sum([keras.ops.sum(per_example), 3.0 * tf.reduce_mean(per_example)])
+
+
+def _sums_in_compute_loss(strategy: tf.distribute.Strategy | None, way: str) -> object:
+    scope = strategy.scope() if strategy is not None else tf.distribute.get_strategy().scope()
+    with scope:
+        keras.utils.set_random_seed(3)
+        model = _SumsInComputeLoss(
+            [
+                keras.Input((5,)),
+                keras.layers.Dense(4, activation="tanh", kernel_regularizer="l2"),
+                keras.layers.Dense(1),
+            ],
+            name="sums",
+        )
+        model.way = way
+        model.compile(keras.optimizers.SGD(0.002))
+    return model
+
+
+@pytest.mark.parametrize(
+    ("way", "options"),
+    [("keras_io", {}), ("global_batch", {}), ("listed", {}), ("keras_io", {"jit_compile": True})],
+    ids=["keras_io", "global_batch", "listed", "keras_io-jit"],
+)
+def test_a_compute_loss_override_that_sums_over_the_batch_is_one_devices_sum(
+    way: str, options: dict[str, object]
+) -> None:
+    """keras-io's masked language model returns ``keras.ops.sum`` of per-token losses from
+    its ``compute_loss``: Keras's own fit under a strategy sums the replicas' gradients (one
+    device's); weighed as a mean it gave half one device's update on 2 replicas (0.49 apart).
+    tfscale finds the loss's terms that sum over the replica's examples and makes each the
+    batch's sum; the others (regularization, means) stay per-replica means. 57 examples in
+    batches of 16 end with 9 (5 and 4 on 2 replicas), with random sample weights."""
+    rng = np.random.default_rng(23)
+    x = rng.normal(size=(57, 5)).astype("float32")
+    y = (x @ rng.normal(size=(5, 1))).astype("float32")
+    weights = rng.uniform(0.2, 2.0, size=(57,)).astype("float32")
+    fit = {"sample_weight": weights, "batch_size": 16, "epochs": 2, "shuffle": False}
+    reference = _sums_in_compute_loss(None, way)
+    initial = reference.get_weights()
+    with tf.device("/device:CPU:0"):
+        one = reference.fit(x, y, verbose=0, validation_data=(x[:20], y[:20]), **fit)
+    strategy = strategy_for(2)
+    model = _sums_in_compute_loss(strategy, way)
+    model.set_weights(initial)
+    history = tfscale.fit(
+        model, x, y, strategy=strategy, verbose=0, validation_data=(x[:20], y[:20]), **fit,
+        **options,
+    )  # fmt: skip
+    assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5
+    for key in ("loss", "val_loss"):
+        assert relative_difference(history.history[key], one.history[key]) <= 1e-5, key

@@ -64,6 +64,7 @@ __all__ = [
     "record_reduction",
     "record_scaled",
     "recorded",
+    "sums_over_examples",
     "weighting",
 ]
 
@@ -159,7 +160,8 @@ def recorded(output: Any) -> Any:
 
 def record_scaled(output: Any, loss: Any) -> None:
     """Remembers that ``output`` is ``loss`` times a loss scale (``LossScaleOptimizer``'s
-    ``scale_loss``, which unscales the gradients itself): its kind is ``loss``'s."""
+    ``scale_loss``, which unscales the gradients itself), or ``loss`` passed on (a prepared
+    model's ``compute_loss``, 0 on a replica without examples): its kind is ``loss``'s."""
     if not _in_replica():
         return
     _remember(output, loss)
@@ -337,3 +339,113 @@ def on_reduction(name: str, output: Any, args: Any, kwargs: dict[str, Any]) -> N
             count = tf.cast(tf.shape(per_example)[0], tf.float32)
             term = Term(Kind.SCALED_MEAN, count, "tf.nn.compute_average_loss")
         record_reduction(output, term)
+
+
+# -- Model.fit: a compute_loss override's sums ------------------------------------------------
+# Ops a term passes through unchanged on its way to the loss; how far the walk goes.
+_SCALE_DIVIDE = {"RealDiv", "DivNoNan", "Div", "TrueDiv"}
+_WALK_LIMIT = 64
+# Ops an input walk visits at most when it checks that a summed tensor comes from the data.
+_ANCESTRY_LIMIT = 20_000
+
+
+def sums_over_examples(loss: Any, data: Any) -> list[tuple[Any, float]]:
+    """The terms of ``loss`` that sum over the replica's examples, each with the constant
+    the loss multiplies it by.
+
+    ``loss`` is the scalar a ``compute_loss`` override returned in a replica of tfscale's
+    step, where losses are weighed as per-replica means; ``data`` is the step's ``(x, y,
+    sample_weight)``. keras-io's masked language model returns
+    ``keras.ops.sum(loss_fn(y, y_pred, sample_weight))`` (a ``Loss`` with
+    ``reduction=None``): one device's gradient is the batch's sum, and weighed as a mean
+    each replica's sum gave one device's update divided by N. Recognized, as in a custom
+    loop (``classify``): a ``Sum`` to a scalar of a tensor whose leading dimension is the
+    batch's and which is computed from the data, through ``Identity``, ``Cast``, additions,
+    subtractions, negation and multiplication or division by a constant, and a sum of a
+    list of losses (``keras.ops.sum([...])``: ``Sum`` of ``Pack``) term by term. Anything
+    else (a ``tf.reduce_mean``, a Keras ``Loss`` object's result, a sum divided by a count
+    the step computes) is a mean, as before.
+    """
+    if getattr(loss, "op", None) is None or loss.shape.rank != 0:
+        return []  # eager, or not a scalar
+    flat = [t for t in tf.nest.flatten(data) if getattr(t, "op", None) is not None]
+    if not flat:
+        return []
+    found: list[tuple[Any, float]] = []
+    _collect_sums(loss, 1.0, flat, found, 0)
+    return found
+
+
+def _constant(tensor: Any) -> float | None:
+    value = tf.get_static_value(tensor)
+    if value is None or getattr(value, "size", 1) != 1:
+        return None
+    return float(value.reshape(()) if hasattr(value, "reshape") else value)
+
+
+def _collect_sums(
+    tensor: Any, factor: float, data: list[Any], found: list[tuple[Any, float]], depth: int
+) -> None:
+    op = getattr(tensor, "op", None)
+    if op is None or depth > _WALK_LIMIT:
+        return
+    kind, inputs = op.type, list(op.inputs)
+    if kind in _PASS_THROUGH:
+        _collect_sums(inputs[0], factor, data, found, depth + 1)
+    elif kind in _ADD:
+        for value in inputs:
+            _collect_sums(value, factor, data, found, depth + 1)
+    elif kind == "Sub":
+        _collect_sums(inputs[0], factor, data, found, depth + 1)
+        _collect_sums(inputs[1], -factor, data, found, depth + 1)
+    elif kind == "Neg":
+        _collect_sums(inputs[0], -factor, data, found, depth + 1)
+    elif kind == "Mul":
+        for value, other in ((inputs[0], inputs[1]), (inputs[1], inputs[0])):
+            constant = _constant(other)
+            if constant is not None:
+                _collect_sums(value, factor * constant, data, found, depth + 1)
+                break
+    elif kind in _SCALE_DIVIDE:
+        constant = _constant(inputs[1])
+        if constant:
+            _collect_sums(inputs[0], factor / constant, data, found, depth + 1)
+    elif kind == "Sum" and tensor.shape.rank == 0:
+        summed = inputs[0]
+        if summed.op.type == "Pack":  # keras.ops.sum of a list: each element a term
+            for value in summed.op.inputs:
+                if value.shape.rank == 0:
+                    _collect_sums(value, factor, data, found, depth + 1)
+                elif _over_examples(value, data):
+                    found.append((tf.reduce_sum(value), factor))
+        elif _over_examples(summed, data):
+            found.append((tensor, factor))
+
+
+def _over_examples(summed: Any, data: list[Any]) -> bool:
+    """Whether ``summed`` holds one value (or more) per example of the replica's batch: its
+    leading dimension is the data's, and it is computed from the data."""
+    shape = summed.shape
+    if shape.rank is None or shape.rank == 0:
+        return False
+    batch = data[0].shape[0] if data[0].shape.rank else None
+    if shape[0] != batch:
+        return False
+    if batch is None:
+        return True  # a dimension unknown while tracing: the batch's
+    return _computed_from(summed, data)
+
+
+def _computed_from(tensor: Any, data: list[Any]) -> bool:
+    wanted = {id(t.op) for t in data}
+    seen: set[int] = set()
+    stack = [tensor.op]
+    while stack and len(seen) < _ANCESTRY_LIMIT:
+        op = stack.pop()
+        if id(op) in wanted:
+            return True
+        if id(op) in seen:
+            continue
+        seen.add(id(op))
+        stack.extend(value.op for value in op.inputs)
+    return False

@@ -108,10 +108,11 @@ def _replicas_sum(value: tf.Tensor) -> tf.Tensor:
     return total
 
 
-def _compiles_a_summed_loss(model: Any) -> bool:
-    """Whether a compiled loss's gradient is the sum over the batch (``reduction="sum"``,
-    or None: unreduced)."""
-    return any(
+def _may_sum_over_the_batch(model: Any) -> bool:
+    """Whether the step's loss may have a gradient that sums over the batch: a compiled
+    ``Loss`` with ``reduction="sum"`` or None (unreduced), or a ``compute_loss`` override,
+    whose sums are known only once it is traced (``conventions.sums_over_examples``)."""
+    return not internals.uses_default_step(model, "compute_loss") or any(
         isinstance(loss, keras.losses.Loss) and loss.reduction in ("sum", None)
         for loss in tf.nest.flatten(getattr(model, "loss", None))
     )
@@ -122,13 +123,13 @@ class _BatchTotals:
     losses that are not per-replica means (``internals.replica_count_scaling_off``). Each
     total is an all-reduce made where the loss needing it is traced, in the replica's step;
     with ``precompute`` (XLA, where no all-reduce can run inside the compiled step) the
-    examples' ratio is made before the step when a compiled loss sums, a ratio asked for
+    examples' ratio is made before the step when the loss may sum, a ratio asked for
     inside the compiled step is refused, and a total there is None (the mean stays the
     replica's own)."""
 
     def __init__(self, data: Any, model: Any, *, precompute: bool) -> None:
         self.data, self.model = data, model
-        self.ratio = self._ratio() if precompute and _compiles_a_summed_loss(model) else None
+        self.ratio = self._ratio() if precompute and _may_sum_over_the_batch(model) else None
 
     def _ratio(self) -> tf.Tensor:
         count = example_count(self.data)

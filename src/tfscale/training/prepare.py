@@ -36,6 +36,7 @@ import tensorflow as tf
 from tfscale.errors import TfscaleError, TrainingError, explain
 from tfscale.interop import internals, registry
 from tfscale.interop.script_watch import call_by_name
+from tfscale.training import conventions
 from tfscale.training.adopt import adopt, has_call, keras_accumulation_steps, model_optimizers
 from tfscale.training.callbacks import guarded, halt_released
 from tfscale.training.checks import check_batched
@@ -257,7 +258,12 @@ class Prepared:
             # Keras's loss tracker averages its elements: their values stay as they are.
             scaled = internals.as_batch_sum(loss)
             loss = tf.stop_gradient(loss) + (scaled - tf.stop_gradient(scaled))
-        return tf.where(example_count((x,)) > 0, loss, tf.zeros_like(loss))
+        elif not internals.uses_default_step(self.model, "compute_loss"):
+            loss = _sums_made_the_batchs(loss, _loss_data(args, kwargs))
+        guarded = tf.where(example_count((x,)) > 0, loss, tf.zeros_like(loss))
+        # A custom loop over the prepared model reads its loss's kind through this (loop.py).
+        conventions.record_scaled(guarded, loss)
+        return guarded
 
     def get_metrics_result(self, own: Callable[[], Any]) -> Any:
         """The model's own ``get_metrics_result`` (``own``), each value a tensor.
@@ -429,3 +435,26 @@ def _apply_precision(model: Any, strategy: tf.distribute.Strategy, precision: Pr
             if model.optimizer.built:
                 scaled.build(internals.optimizer_trainable_variables(model.optimizer))
         model.optimizer = scaled
+
+
+def _loss_data(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """``compute_loss``'s ``x``, ``y`` and ``sample_weight``, as Keras passes them (by name in
+    Keras's own steps, by position in some overrides)."""
+    names = ("x", "y", "y_pred", "sample_weight")
+    given = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}
+    return given.get("x"), given.get("y"), given.get("sample_weight")
+
+
+def _sums_made_the_batchs(loss: Any, data: Any) -> Any:
+    """``loss``, a ``compute_loss`` override's scalar, with each of its terms that sums over
+    the replica's examples (``conventions.sums_over_examples``) made the batch's sum as
+    tfscale weighs it (``internals.as_batch_sum``): the gradient and the reported loss are
+    one device's, as for a compiled ``Loss`` with ``reduction="sum"``. Other terms stay
+    per-replica means."""
+    for summed, factor in conventions.sums_over_examples(loss, data):
+        summed = tf.cast(summed, loss.dtype)
+        scaled = internals.as_batch_sum(summed)
+        if scaled is summed:
+            return loss  # outside tfscale's step (a custom loop reads the loss itself)
+        loss = loss + tf.cast(factor, loss.dtype) * (scaled - summed)
+    return loss
