@@ -357,6 +357,58 @@ class CustomLossModel(keras.Model):
         return loss + 1e-3 * tf.add_n([tf.reduce_sum(w**2) for w in self.trainable_weights])
 
 
+_MLM_LOSS = keras.losses.SparseCategoricalCrossentropy(reduction=None)
+MASK_ID = 29
+
+
+class MaskedLanguageModel(keras.Model):
+    """keras-io ``examples/nlp/masked_language_modeling.py``: ``compute_loss`` returns the
+    sum over the batch of a ``reduction=None`` loss weighted to the masked tokens, with a
+    loss tracker of its own as the model's only metric."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+
+    def compute_loss(
+        self, x: Any = None, y: Any = None, y_pred: Any = None, sample_weight: Any = None
+    ) -> Any:
+        loss = _MLM_LOSS(y, y_pred, sample_weight)
+        self.loss_tracker.update_state(loss, sample_weight=sample_weight)
+        return keras.ops.sum(loss)
+
+    def compute_metrics(self, x: Any, y: Any, y_pred: Any, sample_weight: Any) -> Any:
+        return {"loss": self.loss_tracker.result()}
+
+    @property
+    def metrics(self) -> list[Any]:
+        return [self.loss_tracker]
+
+
+def _masked_language_model() -> Any:
+    """The example's model with one feed-forward layer for its encoder blocks, and SGD, where
+    the update's scale shows (Adam's normalized step hides a gradient N times too small)."""
+    keras.utils.set_random_seed(SEED)
+    inputs = keras.Input((TOKENS.shape[1],), dtype="int32")
+    h = keras.layers.Embedding(30, 8)(inputs)
+    h = keras.layers.Dense(8, activation="relu")(h)
+    outputs = keras.layers.Dense(30, activation="softmax")(h)
+    model = MaskedLanguageModel(inputs, outputs, name="masked_bert_model")
+    model.compile(optimizer=keras.optimizers.SGD(0.05))
+    return model
+
+
+def _masked_tokens() -> dict[str, Any]:
+    """The example's ``get_masked_input_and_labels``: 15% of the tokens replaced by the mask
+    token, the labels the original tokens, weight 1 on the masked ones only."""
+    masked = np.random.default_rng(46).random(TOKENS.shape) < 0.15
+    x = np.where(masked, MASK_ID, TOKENS).astype("int32")
+    return {
+        "x": x, "y": TOKENS, "sample_weight": masked.astype("float32"), "batch_size": 16,
+        "epochs": 2,
+    }  # fmt: skip
+
+
 # -- several inputs and outputs ----------------------------------------------------------------
 TITLES = tokens(64, 5, 30, seed=41)[0]
 BODIES = tokens(64, 8, 30, seed=42)[0]
@@ -704,6 +756,12 @@ CASES = [
         # divides by each replica's own tokens). Keras 3.16's pre-releases drop the mask at
         # the GRU: a mean over every token there.
         reference_build=with_dense_gradients(_masked_tagger),
+    ),
+    Case(
+        "masked_language_model_summed_loss",
+        f"{IO} examples/nlp/masked_language_modeling.py (compute_loss returns a sum)",
+        _masked_language_model,
+        _masked_tokens,
     ),
     Case(
         "transformer_block",
