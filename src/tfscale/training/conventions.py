@@ -361,10 +361,13 @@ def sums_over_examples(loss: Any, data: Any) -> list[tuple[Any, float]]:
     each replica's sum gave one device's update divided by N. Recognized, as in a custom
     loop (``classify``): a ``Sum`` to a scalar of a tensor whose leading dimension is the
     batch's and which is computed from the data, through ``Identity``, ``Cast``, additions,
-    subtractions, negation and multiplication or division by a constant, and a sum of a
-    list of losses (``keras.ops.sum([...])``: ``Sum`` of ``Pack``) term by term. Anything
-    else (a ``tf.reduce_mean``, a Keras ``Loss`` object's result, a sum divided by a count
-    the step computes) is a mean, as before.
+    subtractions, negation and a sum of a list of losses (``keras.ops.sum([...])``: ``Sum``
+    of ``Pack``) term by term, and through multiplication or division by a constant where
+    the batch's size is unknown while tracing (the usual case). Where it is known, a
+    constant may be that size (``keras.ops.shape(y)[0]`` is a Python number then: a mean
+    written by hand), so a scaled sum is left as it was. Anything else (a
+    ``tf.reduce_mean``, a Keras ``Loss`` object's result, a sum divided by a count the step
+    computes) is a mean, as before.
     """
     if getattr(loss, "op", None) is None or loss.shape.rank != 0:
         return []  # eager, or not a scalar
@@ -372,8 +375,15 @@ def sums_over_examples(loss: Any, data: Any) -> list[tuple[Any, float]]:
     if not flat:
         return []
     found: list[tuple[Any, float]] = []
-    _collect_sums(loss, 1.0, flat, found, 0)
+    _collect_sums(loss, 1.0, flat, found, 0, scaled=_batch_size(flat) is None)
     return found
+
+
+def _batch_size(data: list[Any]) -> int | None:
+    """The replica's batch size where it is known while tracing (the data's leading
+    dimension), else None."""
+    shape = data[0].shape
+    return None if not shape.rank else shape[0]
 
 
 def _constant(tensor: Any) -> float | None:
@@ -384,38 +394,50 @@ def _constant(tensor: Any) -> float | None:
 
 
 def _collect_sums(
-    tensor: Any, factor: float, data: list[Any], found: list[tuple[Any, float]], depth: int
+    tensor: Any,
+    factor: float,
+    data: list[Any],
+    found: list[tuple[Any, float]],
+    depth: int,
+    *,
+    scaled: bool,
 ) -> None:
+    """Appends the sums over the examples ``tensor`` adds up to ``found`` (see
+    ``sums_over_examples``); ``scaled``: through constant factors too."""
     op = getattr(tensor, "op", None)
     if op is None or depth > _WALK_LIMIT:
         return
     kind, inputs = op.type, list(op.inputs)
+
+    def walk(value: Any, by: float) -> None:
+        _collect_sums(value, by, data, found, depth + 1, scaled=scaled)
+
     if kind in _PASS_THROUGH:
-        _collect_sums(inputs[0], factor, data, found, depth + 1)
+        walk(inputs[0], factor)
     elif kind in _ADD:
         for value in inputs:
-            _collect_sums(value, factor, data, found, depth + 1)
+            walk(value, factor)
     elif kind == "Sub":
-        _collect_sums(inputs[0], factor, data, found, depth + 1)
-        _collect_sums(inputs[1], -factor, data, found, depth + 1)
+        walk(inputs[0], factor)
+        walk(inputs[1], -factor)
     elif kind == "Neg":
-        _collect_sums(inputs[0], -factor, data, found, depth + 1)
-    elif kind == "Mul":
+        walk(inputs[0], -factor)
+    elif kind == "Mul" and scaled:
         for value, other in ((inputs[0], inputs[1]), (inputs[1], inputs[0])):
             constant = _constant(other)
             if constant is not None:
-                _collect_sums(value, factor * constant, data, found, depth + 1)
+                walk(value, factor * constant)
                 break
-    elif kind in _SCALE_DIVIDE:
+    elif kind in _SCALE_DIVIDE and scaled:
         constant = _constant(inputs[1])
         if constant:
-            _collect_sums(inputs[0], factor / constant, data, found, depth + 1)
+            walk(inputs[0], factor / constant)
     elif kind == "Sum" and tensor.shape.rank == 0:
         summed = inputs[0]
         if summed.op.type == "Pack":  # keras.ops.sum of a list: each element a term
             for value in summed.op.inputs:
                 if value.shape.rank == 0:
-                    _collect_sums(value, factor, data, found, depth + 1)
+                    walk(value, factor)
                 elif _over_examples(value, data):
                     found.append((tf.reduce_sum(value), factor))
         elif _over_examples(summed, data):
@@ -428,7 +450,7 @@ def _over_examples(summed: Any, data: list[Any]) -> bool:
     shape = summed.shape
     if shape.rank is None or shape.rank == 0:
         return False
-    batch = data[0].shape[0] if data[0].shape.rank else None
+    batch = _batch_size(data)
     if shape[0] != batch:
         return False
     if batch is None:
