@@ -32,10 +32,13 @@ def _tokens() -> tuple[np.ndarray, np.ndarray]:
     )
 
 
-def _images() -> tuple[np.ndarray, np.ndarray]:
+def _images() -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Images and a feature vector, as named inputs."""
     rng = np.random.default_rng(4)
+    images = rng.normal(size=(STEPS * BATCH, 6, 6, 1)).astype("float32")
+    features = rng.normal(size=(STEPS * BATCH, 3)).astype("float32")
     return (
-        rng.normal(size=(STEPS * BATCH, 6, 6, 1)).astype("float32"),
+        {"image": images, "features": features},
         rng.integers(0, CLASSES, (STEPS * BATCH,)).astype("int32"),
     )
 
@@ -68,13 +71,17 @@ def _transformer() -> keras.Model:
 
 
 def _conv() -> keras.Model:
-    inputs = keras.Input((6, 6, 1))
-    h = keras.layers.Conv2D(4, 3, activation="relu", kernel_initializer=_init(1))(inputs)
+    """Named inputs (a dict: XLA's pre-check of the step lowered nested specs wrongly, a bare
+    TensorFlow ValueError before the first step)."""
+    image = keras.Input((6, 6, 1), name="image")
+    features = keras.Input((3,), name="features")
+    h = keras.layers.Conv2D(4, 3, activation="relu", kernel_initializer=_init(1))(image)
     # No batch normalization: per-replica batch statistics differ from one device's by
     # design (sync_batchnorm=True makes them global).
     h = keras.layers.MaxPooling2D()(h)
-    h = keras.layers.Flatten()(h)
-    return keras.Model(inputs, keras.layers.Dense(CLASSES, kernel_initializer=_init(2))(h))
+    h = keras.layers.Concatenate()([keras.layers.Flatten()(h), features])
+    outputs = keras.layers.Dense(CLASSES, kernel_initializer=_init(2))(h)
+    return keras.Model({"image": image, "features": features}, outputs)
 
 
 # One recurrent model holds both an LSTM and a GRU (each alone was a case of its own, with

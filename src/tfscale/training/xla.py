@@ -205,8 +205,13 @@ def check_compilable(model: Any, data_spec: Any) -> None:
     if not all(isinstance(s, tf.TensorSpec) for s in tf.nest.flatten(x)):
         return  # sparse or ragged inputs: the first step will tell (StepFunction)
 
+    # experimental_get_compiler_ir takes TensorSpecs as its own arguments only, not nested in
+    # a dict or list (a model with named inputs): handed flat, packed back inside.
+    flat = tf.nest.flatten(x)
+
     def trial(training: bool) -> None:
-        def forward_backward(inputs: Any) -> Any:
+        def forward_backward(*given: Any) -> Any:
+            inputs = tf.nest.pack_sequence_as(x, list(given))
             with tf.GradientTape() as tape:
                 outputs = model(inputs, training=training)
                 total = tf.add_n(
@@ -220,7 +225,7 @@ def check_compilable(model: Any, data_spec: Any) -> None:
             return tape.gradient(total, model.trainable_variables)
 
         function = tf.function(forward_backward, jit_compile=True, autograph=False)
-        function.experimental_get_compiler_ir(x)(stage="hlo")
+        function.experimental_get_compiler_ir(*flat)(stage="hlo")
 
     # Traced in cross-replica context, a training-mode state update (batch normalization's
     # moving statistics) writes every replica's copy, which one XLA cluster cannot reach: the
