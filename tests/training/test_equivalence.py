@@ -529,3 +529,49 @@ def test_a_compute_loss_override_that_sums_over_the_batch_is_one_devices_sum(
     assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5
     for key in ("loss", "val_loss"):
         assert relative_difference(history.history[key], one.history[key]) <= 1e-5, key
+
+
+class _PerExampleLoss(keras.layers.Layer):  # type: ignore[misc]
+    """An endpoint layer handing ``add_loss`` each example's loss (shape (batch, 1)), as
+    keras-io's captcha OCR ``CTCLayer`` does: Keras's ``compute_loss`` sums each ``add_loss``
+    value, so one device's loss is the batch's sum."""
+
+    def call(self, y_true: Any, y_pred: Any) -> Any:
+        self.add_loss(keras.ops.mean(keras.ops.square(y_true - y_pred), axis=1, keepdims=True))
+        return y_pred
+
+
+def _adding_per_example_losses(strategy: tf.distribute.Strategy | None) -> object:
+    scope = strategy.scope() if strategy is not None else tf.distribute.get_strategy().scope()
+    with scope:
+        keras.utils.set_random_seed(3)
+        x, y = keras.Input((5,), name="x"), keras.Input((1,), name="y")
+        hidden = keras.layers.Dense(4, activation="tanh")(x)
+        model = keras.Model({"x": x, "y": y}, _PerExampleLoss()(y, keras.layers.Dense(1)(hidden)))
+        model.compile(keras.optimizers.SGD(0.002))
+    return model
+
+
+def test_an_add_loss_of_per_example_losses_is_one_devices_sum_and_refused_under_jit() -> None:
+    """Keras's own fit under a strategy scales each replica's sum by 1/N (0.42 apart from one
+    device here), as tfscale did; tfscale now makes it the batch's sum. Under XLA the
+    examples' ratio cannot be made inside the compiled step for it: refused before the first
+    update, with the fixes."""
+    rng = np.random.default_rng(29)
+    x = rng.normal(size=(57, 5)).astype("float32")
+    data = {"x": x, "y": (x @ rng.normal(size=(5, 1))).astype("float32")}
+    fit = {"batch_size": 16, "epochs": 2, "shuffle": False, "verbose": 0}
+    reference = _adding_per_example_losses(None)
+    initial = reference.get_weights()
+    with tf.device("/device:CPU:0"):
+        one = reference.fit(data, **fit)
+    strategy = strategy_for(2)
+    model = _adding_per_example_losses(strategy)
+    model.set_weights(initial)
+    history = tfscale.fit(model, data, strategy=strategy, **fit)
+    assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5
+    assert relative_difference(history.history["loss"], one.history["loss"]) <= 1e-5
+    compiled = _adding_per_example_losses(strategy)
+    with pytest.raises(tfscale.TrainingError, match="add_loss of per-example values"):
+        tfscale.fit(compiled, data, strategy=strategy, jit_compile=True, **fit)
+    assert relative_difference(compiled.get_weights(), initial) == 0.0  # nothing trained

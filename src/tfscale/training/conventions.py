@@ -367,7 +367,9 @@ def sums_over_examples(loss: Any, data: Any) -> list[tuple[Any, float]]:
     constant may be that size (``keras.ops.shape(y)[0]`` is a Python number then: a mean
     written by hand), so a scaled sum is left as it was. Anything else (a
     ``tf.reduce_mean``, a Keras ``Loss`` object's result, a sum divided by a count the step
-    computes) is a mean, as before.
+    computes) is a mean, as before. Keras's own ``compute_loss`` sums each ``add_loss`` value
+    (``_aggregate_additional_loss``): a layer's ``add_loss`` of per-example losses (keras-io's
+    captcha OCR ``CTCLayer``) is such a sum, and is found the same way.
     """
     if getattr(loss, "op", None) is None or loss.shape.rank != 0:
         return []  # eager, or not a scalar
@@ -434,7 +436,9 @@ def _collect_sums(
             walk(inputs[0], factor / constant)
     elif kind == "Sum" and tensor.shape.rank == 0:
         summed = inputs[0]
-        if summed.op.type == "Pack":  # keras.ops.sum of a list: each element a term
+        if summed.shape.rank == 0:  # Keras sums each add_loss value, a scalar one too
+            walk(summed, factor)
+        elif summed.op.type == "Pack":  # keras.ops.sum of a list: each element a term
             for value in summed.op.inputs:
                 if value.shape.rank == 0:
                     walk(value, factor)

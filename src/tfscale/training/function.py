@@ -148,15 +148,18 @@ class _BatchTotals:
         if in_compiled_step():
             raise TrainingError(
                 explain(
-                    'A loss summed over the batch (reduction="sum" or None) is computed '
-                    "inside the train_step tfscale compiles with XLA; making it one device's "
-                    "sum needs an all-reduce of the replicas' example counts, which cannot run "
-                    "inside the compiled step.",
+                    "A loss summed over the batch's examples (a Loss with "
+                    'reduction="sum" or None, a layer\'s add_loss of per-example values) is '
+                    "computed inside the train_step tfscale compiles with XLA; making it one "
+                    "device's sum needs an all-reduce of the replicas' example counts, which "
+                    "cannot run inside the compiled step.",
                     received=f"{type(self.model).__name__}.train_step with jit_compile=True "
                     "computing such a loss (not one model.compile was given with "
-                    'reduction="sum" or None)',
-                    fix="give a summed loss to model.compile(loss=...), use the default "
-                    "reduction (sum_over_batch_size), or train with jit_compile=False.",
+                    'reduction="sum" or None, nor one a compute_loss override returns)',
+                    fix="give a summed loss to model.compile(loss=...) or return it from a "
+                    "compute_loss override (the examples' ratio is then made before the "
+                    "compiled step), use a mean (the default reduction, sum_over_batch_size; "
+                    "keras.ops.mean in add_loss), or train with jit_compile=False.",
                 )
             )
 

@@ -258,7 +258,7 @@ class Prepared:
             # Keras's loss tracker averages its elements: their values stay as they are.
             scaled = internals.as_batch_sum(loss)
             loss = tf.stop_gradient(loss) + (scaled - tf.stop_gradient(scaled))
-        elif not internals.uses_default_step(self.model, "compute_loss"):
+        else:
             loss = _sums_made_the_batchs(loss, _loss_data(args, kwargs))
         guarded = tf.where(example_count((x,)) > 0, loss, tf.zeros_like(loss))
         # A custom loop over the prepared model reads its loss's kind through this (loop.py).
@@ -446,11 +446,12 @@ def _loss_data(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any,
 
 
 def _sums_made_the_batchs(loss: Any, data: Any) -> Any:
-    """``loss``, a ``compute_loss`` override's scalar, with each of its terms that sums over
-    the replica's examples (``conventions.sums_over_examples``) made the batch's sum as
-    tfscale weighs it (``internals.as_batch_sum``): the gradient and the reported loss are
-    one device's, as for a compiled ``Loss`` with ``reduction="sum"``. Other terms stay
-    per-replica means."""
+    """``loss``, the scalar ``compute_loss`` returned, with each of its terms that sums over
+    the replica's examples (``conventions.sums_over_examples``: a ``compute_loss`` override's
+    ``keras.ops.sum``, Keras's own sum of an ``add_loss`` of per-example values) made the
+    batch's sum as tfscale weighs it (``internals.as_batch_sum``): the gradient and the
+    reported loss are one device's, as for a compiled ``Loss`` with ``reduction="sum"``.
+    Other terms stay per-replica means."""
     for summed, factor in conventions.sums_over_examples(loss, data):
         summed = tf.cast(summed, loss.dtype)
         scaled = internals.as_batch_sum(summed)

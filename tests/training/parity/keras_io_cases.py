@@ -409,6 +409,53 @@ def _masked_tokens() -> dict[str, Any]:
     }  # fmt: skip
 
 
+CAPTCHAS = np.random.default_rng(47).random((32, 16, 8, 1)).astype("float32")
+CAPTCHA_LABELS = np.random.default_rng(48).integers(1, 6, size=(32, 3)).astype("int32")
+
+
+class CTCLayer(keras.layers.Layer):
+    """keras-io ``examples/vision/captcha_ocr.py``'s endpoint: the per-example CTC losses,
+    shape (batch, 1), handed to ``add_loss`` (Keras sums each ``add_loss`` value: the batch's
+    sum on one device). ``keras.ops.ctc_loss`` of the log-probabilities stands for the
+    example's ``tf.compat.v1.nn.ctc_loss`` (blank 0 here, the last class there)."""
+
+    def call(self, y_true: Any, y_pred: Any) -> Any:
+        batch = keras.ops.shape(y_true)[0]
+        label_length = keras.ops.full((batch,), keras.ops.shape(y_true)[1], dtype="int32")
+        input_length = keras.ops.full((batch,), keras.ops.shape(y_pred)[1], dtype="int32")
+        log_probabilities = keras.ops.log(y_pred + keras.backend.epsilon())
+        loss = keras.ops.ctc_loss(
+            keras.ops.cast(y_true, "int32"), log_probabilities, label_length, input_length
+        )
+        self.add_loss(keras.ops.expand_dims(loss, 1))
+        return y_pred
+
+
+def _captcha_ocr() -> Any:
+    """The example's model (convolution, pooling, reshape to time steps, a bidirectional
+    LSTM, softmax, the CTC layer) at a tenth of its size, without dropout, and SGD, where
+    the update's scale shows."""
+    keras.utils.set_random_seed(SEED)
+    image = keras.Input((16, 8, 1), name="image")
+    labels = keras.Input((None,), name="label", dtype="float32")
+    x = keras.layers.Conv2D(4, 3, activation="relu", padding="same")(image)
+    x = keras.layers.MaxPooling2D(2)(x)
+    x = keras.layers.Reshape((8, 4 * 4))(x)
+    x = keras.layers.Dense(8, activation="relu")(x)
+    x = keras.layers.Bidirectional(keras.layers.LSTM(4, return_sequences=True))(x)
+    x = keras.layers.Dense(6, activation="softmax")(x)
+    model = keras.Model([image, labels], CTCLayer(name="ctc_loss")(labels, x))
+    model.compile(optimizer=keras.optimizers.SGD(0.01))
+    return model
+
+
+def _captcha_data() -> dict[str, Any]:
+    return {
+        "x": {"image": CAPTCHAS, "label": CAPTCHA_LABELS.astype("float32")}, "batch_size": 16,
+        "epochs": 2, "validation_split": 0.25,
+    }  # fmt: skip
+
+
 # -- several inputs and outputs ----------------------------------------------------------------
 TITLES = tokens(64, 5, 30, seed=41)[0]
 BODIES = tokens(64, 8, 30, seed=42)[0]
@@ -762,6 +809,12 @@ CASES = [
         f"{IO} examples/nlp/masked_language_modeling.py (compute_loss returns a sum)",
         _masked_language_model,
         _masked_tokens,
+    ),
+    Case(
+        "captcha_ocr_add_loss_per_example",
+        f"{IO} examples/vision/captcha_ocr.py (an add_loss of per-example CTC losses)",
+        _captcha_ocr,
+        _captcha_data,
     ),
     Case(
         "transformer_block",
