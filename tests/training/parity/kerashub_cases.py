@@ -72,6 +72,39 @@ def next_tokens() -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
     return {"token_ids": ids, "padding_mask": mask}, labels, weights.astype("float32")
 
 
+def translation_tokens() -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """A sequence-to-sequence model's inputs (encoder and decoder token ids, their padding
+    masks), its labels (the decoder's next token) and their weights (0 past the end): what
+    KerasHub's ``Seq2SeqLMPreprocessor`` makes of a pair."""
+    encoder, encoder_mask = _padded_tokens(21)
+    decoder, decoder_mask = _padded_tokens(22)
+    labels = aligned(np.concatenate([decoder[:, 1:], np.zeros_like(decoder[:, :1])], axis=1))
+    weights = np.concatenate([decoder_mask[:, 1:], np.zeros_like(decoder_mask[:, :1])], axis=1)
+    inputs = {
+        "encoder_token_ids": encoder, "encoder_padding_mask": encoder_mask,
+        "decoder_token_ids": decoder, "decoder_padding_mask": decoder_mask,
+    }  # fmt: skip
+    return inputs, labels, aligned(weights).astype("float32")
+
+
+def masked_tokens() -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """A masked language model's inputs (two tokens per sequence replaced by the mask token,
+    their positions), the original tokens there and their weights (some 0): what KerasHub's
+    ``MaskedLMPreprocessor`` makes of a sequence."""
+    ids, mask = _padded_tokens(23)
+    rng = np.random.default_rng(24)
+    positions = (rng.integers(0, 3, size=(EXAMPLES, 2)) + np.array([0, 3])).astype("int32")
+    labels = np.take_along_axis(ids, positions, axis=1)
+    masked = ids.copy()
+    np.put_along_axis(masked, positions, VOCAB - 1, axis=1)
+    weights = (rng.random((EXAMPLES, 2)) < 0.8).astype("float32")
+    inputs = {
+        "token_ids": aligned(masked), "segment_ids": aligned(np.zeros_like(ids)),
+        "padding_mask": mask, "mask_positions": aligned(positions),
+    }  # fmt: skip
+    return inputs, aligned(labels), aligned(weights)
+
+
 def images() -> tuple[np.ndarray, np.ndarray]:
     """8x8 RGB images with labels that depend on them."""
     rng = np.random.default_rng(13)
@@ -172,6 +205,23 @@ def llama3(optimizer: str, reference: bool = False) -> Any:
     )
     model = keras_hub.models.Llama3CausalLM(backbone, preprocessor=None)
     return _compiled(model, optimizer, reference, sampler="greedy")
+
+
+def bart(optimizer: str, reference: bool = False) -> Any:
+    """``BartSeq2SeqLM`` on token ids (no preprocessor): an encoder, a decoder attending to it."""
+    keras.utils.set_random_seed(SEED)
+    backbone = keras_hub.models.BartBackbone(
+        vocabulary_size=VOCAB, num_heads=2, dropout=0.0, max_sequence_length=LENGTH, **TINY
+    )
+    model = keras_hub.models.BartSeq2SeqLM(backbone, preprocessor=None)
+    return _compiled(model, optimizer, reference)
+
+
+def bert_masked_lm(optimizer: str, reference: bool = False) -> Any:
+    """``BertMaskedLM`` on token ids and mask positions (no preprocessor)."""
+    keras.utils.set_random_seed(SEED)
+    model = keras_hub.models.BertMaskedLM(bert_backbone(), preprocessor=None)
+    return _compiled(model, optimizer, reference)
 
 
 def vit_classifier(optimizer: str, reference: bool = False) -> Any:
@@ -383,6 +433,8 @@ CASES = [
         _case("gpt2_causal_lm", "GPT2CausalLM", gpt2, next_tokens, optimizer),
         _case("llama3_causal_lm", "Llama3CausalLM", llama3, next_tokens, optimizer),
         _case("vit_classifier", "ViTImageClassifier", vit_classifier, images, optimizer),
+        _case("bart_seq2seq_lm", "BartSeq2SeqLM", bart, translation_tokens, optimizer),
+        _case("bert_masked_lm", "BertMaskedLM", bert_masked_lm, masked_tokens, optimizer),
         _case(
             "bert_preprocessor_strings",
             "BertTextClassifier + BertTextClassifierPreprocessor",
