@@ -1,7 +1,7 @@
 """KerasHub 0.32 task models (``parity/kerashub_cases.py``: BERT and ViT classifiers, GPT-2 and
 Llama 3 causal LMs, a BART sequence-to-sequence LM, a BERT masked LM, a BERT classifier with
-its preprocessor fed raw strings, GPT-2 fine-tuned with LoRA then asked to ``generate``; SGD
-and Adam) trained over 2 logical CPUs by both one
+its preprocessor fed raw strings, GPT-2 fine-tuned with LoRA then asked to ``generate``, and
+with QLoRA (int8 weights); SGD and Adam) trained over 2 logical CPUs by both one
 lines, ``tfscale.fit(model, x, y, ...)`` and ``tfscale.prepare(model)`` + ``model.fit(x, y,
 ...)``, against one device's ``model.fit`` of a fresh identical model (SGD as is, Adam with
 dense embedding gradients: docs/training.md, "Sparse gradients"). KerasHub's ``fit`` is its
@@ -106,6 +106,7 @@ LAUNCHED = (
     "bert_preprocessor_strings_adam:prepare",
     "bart_seq2seq_lm_adam:fit",
     "bert_masked_lm_sgd:fit",
+    "gpt2_qlora_adam:fit",
 )
 
 

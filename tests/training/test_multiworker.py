@@ -25,7 +25,16 @@ _WORKER = (
     + """
 from tfscale.training import Trainer
 from tfscale.training.prepare import prepared
-from training.test_multiworker import summed_loss
+from training.test_multiworker import low_precision_model, summed_loss
+
+# TensorFlow alone cannot create a bfloat16 (or int8) variable on 2 workers: its broadcast of
+# the initial value takes no such dtype. Tried before tfscale touches the strategy.
+try:
+    with strategy.scope():
+        tf.Variable(tf.zeros((2,), tf.bfloat16))
+    report["bfloat16_alone"] = "created"
+except Exception as error:
+    report["bfloat16_alone"] = f"{type(error).__name__}: {str(error)[:200]}"
 
 for name in ("sgd", "adam"):
     model = tiny_model(strategy, name)
@@ -103,6 +112,13 @@ try:
     report["keras_fit"] = "ok"
 except Exception as error:
     report["keras_fit"] = f"{type(error).__name__}: {str(error)[:300]}"
+# A bfloat16 model and an int8-quantized one with LoRA (QLoRA), built outside the scope:
+# tfscale.fit moves them into the strategy, their initial values carried exactly.
+for kind in ("bfloat16", "qlora"):
+    model = low_precision_model(kind)
+    tfscale.fit(model, x[:96], y[:96], batch_size=32, epochs=2, shuffle=False, strategy=strategy,
+                verbose=0)
+    weights.update({f"{kind}_{i}": w.astype("float32") for i, w in enumerate(model.get_weights())})
 np.savez(out + ".npz", **weights)
 with open(out + ".json", "w") as handle:
     json.dump(report, handle)
@@ -115,6 +131,30 @@ def summed_loss() -> object:
     import keras
 
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+
+
+def low_precision_model(kind: str) -> object:
+    """A small classifier, seeded: in ``"bfloat16"`` (its variables too), or quantized to int8
+    with LoRA on both layers (``"qlora"``, KerasHub's QLoRA recipe's calls)."""
+    import keras
+
+    keras.utils.set_random_seed(7)
+    dtype = "bfloat16" if kind == "bfloat16" else None
+    model = keras.Sequential(
+        [
+            keras.Input((DATA[0].shape[1],)),
+            keras.layers.Dense(16, activation="relu", dtype=dtype),
+            keras.layers.Dense(int(DATA[1].max()) + 1, dtype=dtype),
+        ]
+    )
+    if kind == "qlora":
+        model.quantize("int8")
+        for layer in model.layers:
+            layer.enable_lora(2)
+    model.compile(
+        keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    return model
 
 
 def _run_workers(tmp_path: Path, timeout: float = 240.0) -> list[dict[str, object]]:
@@ -157,10 +197,21 @@ def test_two_workers_equal_mirrored_over_two_cpus(tmp_path: Path) -> None:
     for worker in weights:
         got = [worker[f"summed_{i}"] for i in range(len(model.get_weights()))]
         assert relative_difference(got, model.get_weights()) <= 1e-5, "summed loss"
+    # bfloat16 and int8 variables on 2 workers (TensorFlow alone cannot create them): the 2
+    # logical CPUs' weights.
+    for kind in ("bfloat16", "qlora"):
+        model = low_precision_model(kind)
+        tfscale.fit(model, x[:96], y[:96], batch_size=32, epochs=2, shuffle=False,
+                    strategy=strategy, verbose=0)  # fmt: skip
+        mirrored = [w.astype("float32") for w in model.get_weights()]
+        for worker in weights:
+            got = [worker[f"{kind}_{i}"] for i in range(len(mirrored))]
+            assert relative_difference(got, mirrored) <= 1e-5, kind
     # The progress bar: printed by the chief (worker 0) only.
     assert "5/5" in str(reports[0]["stdout"]) and "5/5" not in str(reports[1]["stdout"])
     for report in reports:
         assert report["replicas"] == 2
+        assert "bfloat16 is not in the list of allowed values" in str(report["bfloat16_alone"])
         # k = 4, 3 updates: one packed gradient collective in the graph, run 3 times.
         assert report["gradient_collectives"] == 1
         assert (report["all_reduce_runs"], report["updates"]) == (3, 3)

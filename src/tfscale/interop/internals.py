@@ -36,6 +36,7 @@ __all__ = [
     "autocast_dtype",
     "autograph_origin",
     "backing_variable",
+    "broadcast_any_initial_value",
     "builtin_all_reduce_replaced",
     "compile_config_objects",
     "context_initialized",
@@ -1076,6 +1077,77 @@ def forget_collective_setup(ctx: Any) -> None:
     for name in ("_collective_ops_server_def", "_coordination_service_config"):
         if hasattr(ctx, name):
             registry.replace("collective-setup", ctx, name, None)
+
+
+# What MultiWorkerMirroredStrategy's broadcast of initial values cannot carry
+# (CollectiveBcastSend takes bool, float16/32/64 and int32/64), each with a dtype that holds
+# its every value exactly.
+_BROADCAST_CARRIERS = {
+    "bfloat16": "float32",
+    "float8_e4m3fn": "float32",
+    "float8_e5m2": "float32",
+    "int8": "int32",
+    "uint8": "int32",
+    "int16": "int32",
+    "uint16": "int32",
+    "uint32": "int64",
+}
+_CARRIED = "_get_variable_creator_initial_value"
+
+
+def broadcast_any_initial_value(strategy: Any) -> None:
+    """Lets ``strategy`` (a MultiWorkerMirroredStrategy of several workers) create variables
+    of every dtype: ``CollectiveAllReduceExtended._get_variable_creator_initial_value``
+    replaced on its ``extended`` object.
+
+    Workaround (TF 2.21 and 2.16, reproduced in ``tests/training/test_multiworker.py``): each
+    new variable's initial value is broadcast from the chief with a collective that carries
+    bool, float16/32/64 and int32/64 only, so a bfloat16 model (KerasHub's LLMs in bfloat16)
+    or an int8-quantized one (QLoRA) cannot be created on 2 workers: "InvalidArgumentError:
+    Value for attr 'T' of bfloat16 is not in the list of allowed values". Such a value
+    travels cast to a dtype that holds it exactly (float32, int32, int64) and is cast back.
+    Other strategies, one worker, and a strategy already given it are left as they are.
+    """
+    import tensorflow as tf
+    from tensorflow.python.trackable import base as trackable
+
+    extended = getattr(strategy, "extended", None)
+    if (
+        not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+        or getattr(extended, "_num_workers", 1) <= 1
+        or _CARRIED in vars(extended)
+        or not hasattr(extended, _CARRIED)
+    ):
+        return
+    own = getattr(extended, _CARRIED)
+
+    def initial_value(replica_id: int, device: Any, primary_var: Any, **kwargs: Any) -> Any:
+        if replica_id != 0:  # the other devices of a worker copy its first one's value
+            return own(replica_id, device, primary_var, **kwargs)
+
+        def carried() -> Any:
+            with tf.device(device):
+                value = kwargs["initial_value"]
+                if callable(value):
+                    value = value()
+                if isinstance(value, trackable.CheckpointInitialValue):
+                    value = value.wrapped_value
+                value = tf.convert_to_tensor(value, dtype=kwargs.get("dtype"))
+            carrier = _BROADCAST_CARRIERS.get(value.dtype.name)
+            if carrier is None:
+                return own(replica_id, device, primary_var, **{**kwargs, "initial_value": value})()
+            sent = own(
+                replica_id,
+                device,
+                primary_var,
+                **{**kwargs, "initial_value": tf.cast(value, carrier), "dtype": carrier},
+            )()
+            with tf.device(device):
+                return tf.cast(sent, value.dtype)
+
+        return carried
+
+    registry.replace("collective-initial-values", extended, _CARRIED, initial_value)
 
 
 _COORDINATION_CONFIG_MODULES = (

@@ -159,6 +159,15 @@ INTERCEPTIONS: tuple[Interception, ...] = (
         "and every later op retries that server, so no fallback strategy could run",
     ),
     Interception(
+        "collective-initial-values",
+        "a MultiWorkerMirroredStrategy's extended object (several workers)",
+        ("_get_variable_creator_initial_value",),
+        "object",
+        "its workers broadcast each new variable's initial value with a collective that "
+        "carries bool, float16/32/64 and int32/64 only: a bfloat16 or int8 (QLoRA) model "
+        "could not be created; such values travel cast to a dtype that holds them exactly",
+    ),
+    Interception(
         "all-reduce-switch",
         "keras.src.backend.tensorflow.optimizer.TFOptimizer",
         ("_all_reduce_sum_gradients",),

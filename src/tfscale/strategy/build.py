@@ -14,6 +14,7 @@ import tensorflow as tf
 from tfscale.cluster import ClusterConfig
 from tfscale.errors import StrategyError, explain
 from tfscale.interop.internals import (
+    broadcast_any_initial_value,
     context_initialized,
     context_started,
     coordination_config_pb2,
@@ -188,12 +189,15 @@ def build_strategy(decision: Decision, *, start_timeout: float = DEFAULT_START_T
     implementation = getattr(
         tf.distribute.experimental.CommunicationImplementation, decision.cross_device_ops
     )
-    return tf.distribute.MultiWorkerMirroredStrategy(
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(
         cluster_resolver=resolver,
         communication_options=tf.distribute.experimental.CommunicationOptions(
             implementation=implementation
         ),
     )
+    # A bfloat16 or int8 model built in its scope: its initial values carried exactly.
+    broadcast_any_initial_value(strategy)
+    return strategy
 
 
 def first_line(error: BaseException) -> str:

@@ -186,6 +186,7 @@ def adopt(model: Any, strategy: tf.distribute.Strategy, optimizers: Sequence[Any
         before = [internals.backing_variable(v) for v in outside]
         values = [_value_for(v) for v in outside]
         old_keys = [_keys(o, outside) for o in every_optimizer]
+        internals.broadcast_any_initial_value(strategy)  # bfloat16, int8 on several workers
         with strategy.scope(), tf.init_scope():
             for variable, value in zip(outside, values, strict=True):
                 _reinitialize(variable, value)

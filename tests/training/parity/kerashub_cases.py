@@ -183,16 +183,23 @@ def bert_with_preprocessor(optimizer: str, reference: bool = False) -> Any:
     return _compiled(model, optimizer, reference)
 
 
-def gpt2(optimizer: str, reference: bool = False, lora: bool = False) -> Any:
+def gpt2(
+    optimizer: str, reference: bool = False, lora: bool = False, quantized: bool = False
+) -> Any:
     """``GPT2CausalLM`` on token ids (no preprocessor); with ``lora``, its backbone's query
-    and value projections fine-tuned by LoRA of rank ``LORA_RANK`` (the rest frozen)."""
+    and value projections fine-tuned by LoRA of rank ``LORA_RANK`` (the rest frozen); with
+    ``quantized`` too, QLoRA as KerasHub's Gemma recipe writes it: the model quantized to
+    int8 (``model.quantize("int8")``), then LoRA enabled on its backbone."""
     keras.utils.set_random_seed(SEED)
     backbone = keras_hub.models.GPT2Backbone(
         vocabulary_size=VOCAB, num_heads=2, dropout=0.0, max_sequence_length=2 * LENGTH, **TINY
     )
-    if lora:
+    if lora and not quantized:
         backbone.enable_lora(LORA_RANK)
     model = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+    if quantized:
+        model.quantize("int8")
+        model.backbone.enable_lora(LORA_RANK)
     # Greedy sampling: generate() is then a function of the weights alone.
     return _compiled(model, optimizer, reference, sampler="greedy")
 
@@ -419,6 +426,10 @@ def _gpt2_lora(optimizer: str, reference: bool = False) -> Any:
     return gpt2(optimizer, reference, lora=True)
 
 
+def _gpt2_qlora(optimizer: str, reference: bool = False) -> Any:
+    return gpt2(optimizer, reference, lora=True, quantized=True)
+
+
 CASES = [
     case
     for optimizer in OPTIMIZERS
@@ -449,6 +460,14 @@ CASES = [
             next_tokens,
             optimizer,
             (lora_only, generates_as_reference),
+        ),
+        _case(
+            "gpt2_qlora",
+            "GPT2CausalLM (quantize int8, then backbone.enable_lora)",
+            _gpt2_qlora,
+            next_tokens,
+            optimizer,
+            (lora_only,),
         ),
     )
 ]
