@@ -341,8 +341,8 @@ def on_reduction(name: str, output: Any, args: Any, kwargs: dict[str, Any]) -> N
         record_reduction(output, term)
 
 
-# -- Model.fit: a compute_loss override's sums ------------------------------------------------
-# Ops a term passes through unchanged on its way to the loss; how far the walk goes.
+# -- Model.fit: the sums over the examples in compute_loss's loss ------------------------------
+# Divisions a sum passes through when the divisor is a constant; how deep the walk goes.
 _SCALE_DIVIDE = {"RealDiv", "DivNoNan", "Div", "TrueDiv"}
 _WALK_LIMIT = 64
 # Ops an input walk visits at most when it checks that a summed tensor comes from the data.
@@ -353,9 +353,9 @@ def sums_over_examples(loss: Any, data: Any) -> list[tuple[Any, float]]:
     """The terms of ``loss`` that sum over the replica's examples, each with the constant
     the loss multiplies it by.
 
-    ``loss`` is the scalar a ``compute_loss`` override returned in a replica of tfscale's
-    step, where losses are weighed as per-replica means; ``data`` is the step's ``(x, y,
-    sample_weight)``. keras-io's masked language model returns
+    ``loss`` is the scalar ``compute_loss`` (the model's own or Keras's) returned in a replica
+    of tfscale's step, where losses are weighed as per-replica means; ``data`` is the step's
+    ``(x, y, sample_weight)``. keras-io's masked language model returns
     ``keras.ops.sum(loss_fn(y, y_pred, sample_weight))`` (a ``Loss`` with
     ``reduction=None``): one device's gradient is the batch's sum, and weighed as a mean
     each replica's sum gave one device's update divided by N. Recognized, as in a custom

@@ -257,7 +257,8 @@ class Prepared:
             # the replica's examples, one device's the batch's sum (as reduction="sum").
             # Keras's loss tracker averages its elements: their values stay as they are.
             scaled = internals.as_batch_sum(loss)
-            loss = tf.stop_gradient(loss) + (scaled - tf.stop_gradient(scaled))
+            if scaled is not loss:  # in tfscale's step (a custom loop reads the vector itself)
+                loss = tf.stop_gradient(loss) + (scaled - tf.stop_gradient(scaled))
         else:
             loss = _sums_made_the_batchs(loss, _loss_data(args, kwargs))
         guarded = tf.where(example_count((x,)) > 0, loss, tf.zeros_like(loss))
