@@ -113,11 +113,12 @@ try:
 except Exception as error:
     report["keras_fit"] = f"{type(error).__name__}: {str(error)[:300]}"
 # A bfloat16 model and an int8-quantized one with LoRA (QLoRA), built outside the scope:
-# tfscale.fit moves them into the strategy, their initial values carried exactly.
-for kind in ("bfloat16", "qlora"):
+# tfscale.fit moves them into the strategy, their initial values carried exactly; and the
+# bfloat16 model with Adam's state sharded (gathered across the workers).
+for kind in ("bfloat16", "qlora", "bfloat16_sharded"):
     model = low_precision_model(kind)
     tfscale.fit(model, x[:96], y[:96], batch_size=32, epochs=2, shuffle=False, strategy=strategy,
-                verbose=0)
+                verbose=0, shard_optimizer_state=kind.endswith("sharded"))
     weights.update({f"{kind}_{i}": w.astype("float32") for i, w in enumerate(model.get_weights())})
 np.savez(out + ".npz", **weights)
 with open(out + ".json", "w") as handle:
@@ -134,12 +135,13 @@ def summed_loss() -> object:
 
 
 def low_precision_model(kind: str) -> object:
-    """A small classifier, seeded: in ``"bfloat16"`` (its variables too), or quantized to int8
-    with LoRA on both layers (``"qlora"``, KerasHub's QLoRA recipe's calls)."""
+    """A small classifier, seeded: in ``"bfloat16"`` (its variables too; with Adam for
+    ``"bfloat16_sharded"``), or quantized to int8 with LoRA on both layers (``"qlora"``,
+    KerasHub's QLoRA recipe's calls)."""
     import keras
 
     keras.utils.set_random_seed(7)
-    dtype = "bfloat16" if kind == "bfloat16" else None
+    dtype = "bfloat16" if kind.startswith("bfloat16") else None
     model = keras.Sequential(
         [
             keras.Input((DATA[0].shape[1],)),
@@ -151,9 +153,10 @@ def low_precision_model(kind: str) -> object:
         model.quantize("int8")
         for layer in model.layers:
             layer.enable_lora(2)
-    model.compile(
-        keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    optimizer = (
+        keras.optimizers.Adam(0.01) if kind.endswith("sharded") else keras.optimizers.SGD(0.1)
     )
+    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
 
 
@@ -197,12 +200,13 @@ def test_two_workers_equal_mirrored_over_two_cpus(tmp_path: Path) -> None:
     for worker in weights:
         got = [worker[f"summed_{i}"] for i in range(len(model.get_weights()))]
         assert relative_difference(got, model.get_weights()) <= 1e-5, "summed loss"
-    # bfloat16 and int8 variables on 2 workers (TensorFlow alone cannot create them): the 2
-    # logical CPUs' weights.
-    for kind in ("bfloat16", "qlora"):
+    # bfloat16 and int8 variables on 2 workers (TensorFlow alone cannot create them, nor
+    # gather bfloat16 shards): the 2 logical CPUs' weights.
+    for kind in ("bfloat16", "qlora", "bfloat16_sharded"):
         model = low_precision_model(kind)
         tfscale.fit(model, x[:96], y[:96], batch_size=32, epochs=2, shuffle=False,
-                    strategy=strategy, verbose=0)  # fmt: skip
+                    strategy=strategy, verbose=0,
+                    shard_optimizer_state=kind.endswith("sharded"))  # fmt: skip
         mirrored = [w.astype("float32") for w in model.get_weights()]
         for worker in weights:
             got = [worker[f"{kind}_{i}"] for i in range(len(mirrored))]

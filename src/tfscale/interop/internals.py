@@ -937,11 +937,18 @@ def all_gather_without_gradient(context: Any, value: Any, axis: int) -> Any:
     batched gather (private: ``_batch_gather_to``). (``training/sharding.py``.)
     """
 
+    import tensorflow as tf
+
     def gather(distribution: Any, flat: Any) -> Any:
         pairs = [(flat, _batch_destination(flat))]
         return distribution.extended._batch_gather_to(pairs, axis)[0]
 
-    return context.merge_call(gather, args=(value,))
+    # TensorFlow's gather collective takes float16/32/64 and int32/64 only: a bfloat16
+    # optimizer state sharded across workers travels as float32 (exact) and is cast back.
+    carrier = _BROADCAST_CARRIERS.get(value.dtype.name)
+    if carrier is None:
+        return context.merge_call(gather, args=(value,))
+    return tf.cast(context.merge_call(gather, args=(tf.cast(value, carrier),)), value.dtype)
 
 
 def custom_gradient_names(graph: Any) -> set[str]:
