@@ -114,6 +114,10 @@ def main() -> None:
     parser.add_argument("--crash-once-at")
     args = parser.parse_args()
     choice = tfscale.choose_strategy(strict=True)
+    # A bfloat16 variable in the strategy's scope: TensorFlow's broadcast of initial values
+    # across workers takes no bfloat16; the strategy tfscale builds carries it as float32.
+    with choice.strategy.scope():
+        keras.Variable(np.ones(2), dtype="bfloat16")
     cluster = choice.cluster
     index = cluster.task_index if cluster is not None else 0
     attempt = os.environ.get("TFSCALE_LAUNCH_ATTEMPT", "0")
