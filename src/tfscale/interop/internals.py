@@ -945,7 +945,7 @@ def all_gather_without_gradient(context: Any, value: Any, axis: int) -> Any:
 
     # TensorFlow's gather collective takes float16/32/64 and int32/64 only: a bfloat16
     # optimizer state sharded across workers travels as float32 (exact) and is cast back.
-    carrier = _BROADCAST_CARRIERS.get(value.dtype.name)
+    carrier = _COLLECTIVE_CARRIERS.get(value.dtype.name)
     if carrier is None:
         return context.merge_call(gather, args=(value,))
     return tf.cast(context.merge_call(gather, args=(tf.cast(value, carrier),)), value.dtype)
@@ -1086,10 +1086,10 @@ def forget_collective_setup(ctx: Any) -> None:
             registry.replace("collective-setup", ctx, name, None)
 
 
-# What MultiWorkerMirroredStrategy's broadcast of initial values cannot carry
-# (CollectiveBcastSend takes bool, float16/32/64 and int32/64), each with a dtype that holds
-# its every value exactly.
-_BROADCAST_CARRIERS = {
+# Dtypes TensorFlow's collectives cannot carry (the broadcast of initial values takes bool,
+# float16/32/64 and int32/64; the gather, float16/32/64 and int32/64), each with one that
+# holds its every value exactly.
+_COLLECTIVE_CARRIERS = {
     "bfloat16": "float32",
     "float8_e4m3fn": "float32",
     "float8_e5m2": "float32",
@@ -1140,7 +1140,7 @@ def broadcast_any_initial_value(strategy: Any) -> None:
                 if isinstance(value, trackable.CheckpointInitialValue):
                     value = value.wrapped_value
                 value = tf.convert_to_tensor(value, dtype=kwargs.get("dtype"))
-            carrier = _BROADCAST_CARRIERS.get(value.dtype.name)
+            carrier = _COLLECTIVE_CARRIERS.get(value.dtype.name)
             if carrier is None:
                 return own(replica_id, device, primary_var, **{**kwargs, "initial_value": value})()
             sent = own(

@@ -249,7 +249,7 @@ class Prepared:
         right (that replica's gradient weighs 0: ``optimizer._weighted``).
         """
         loss = own(*args, **kwargs)
-        x = args[0] if args else kwargs.get("x")
+        x, y, sample_weight = _loss_data(args, kwargs)
         if loss is None or x is None:
             return loss
         if getattr(loss, "shape", None) is not None and loss.shape.rank:
@@ -260,7 +260,7 @@ class Prepared:
             if scaled is not loss:  # in tfscale's step (a custom loop reads the vector itself)
                 loss = tf.stop_gradient(loss) + (scaled - tf.stop_gradient(scaled))
         else:
-            loss = _sums_made_the_batchs(loss, _loss_data(args, kwargs))
+            loss = _sums_made_the_batchs(loss, (x, y, sample_weight))
         guarded = tf.where(example_count((x,)) > 0, loss, tf.zeros_like(loss))
         # A custom loop over the prepared model reads its loss's kind through this (loop.py).
         conventions.record_scaled(guarded, loss)
