@@ -496,3 +496,36 @@ def test_generators_and_py_datasets_lose_no_batch() -> None:
         assert int(model.optimizer.iterations.numpy()) == len(x) // 16
         assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5
         _same_history(history, expected)
+
+
+def _masked_regressor() -> keras.Model:
+    """A regressor with a boolean mask input, as KerasHub's models take ``padding_mask``."""
+    keras.utils.set_random_seed(5)
+    values = keras.Input((FEATURES,), name="values")
+    mask = keras.Input((FEATURES,), dtype="bool", name="mask")
+    kept = keras.layers.Lambda(lambda t: t[0] * keras.ops.cast(t[1], t[0].dtype))([values, mask])
+    hidden = keras.layers.Dense(8, activation="tanh")(kept)
+    return _compiled(keras.Model([values, mask], keras.layers.Dense(1)(hidden)))
+
+
+def test_a_boolean_input_trains_as_one_device_where_keras_own_fit_fails() -> None:
+    """Keras's own fit under a strategy averages the first batch over the replicas to build
+    the model (``_maybe_symbolic_build``), which no boolean tensor survives (``AddN`` of
+    bool): every model with a boolean input, KerasHub's ``padding_mask`` among them, fails
+    before its first step. tfscale builds from the input's element spec."""
+    x, y = _data()
+    mask = np.random.default_rng(8).random(x.shape) > 0.3
+    fit = {"x": {"values": x, "mask": mask}, "y": y, "batch_size": 16, "epochs": 2}
+    reference, expected, model, history = _pair(_masked_regressor, fit)
+    assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5
+    _same_history(history, expected)
+
+    prepared_model = _masked_regressor()
+    tfscale.prepare(prepared_model, strategy=strategy_for(2))
+    prepared_model.fit(verbose=0, shuffle=False, **fit)
+    assert relative_difference(prepared_model.get_weights(), reference.get_weights()) <= 1e-5
+
+    with strategy_for(2).scope():
+        own = _masked_regressor()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="of bool is not in the list"):
+        own.fit(verbose=0, shuffle=False, **fit)  # if Keras fixes it: docs/training.md's row
