@@ -58,8 +58,10 @@ __all__ = [
     "in_symbolic_build",
     "inbound_nodes",
     "is_array_input",
+    "keras_layer_class",
     "keras_loss_module",
     "lists_to_tuples",
+    "losses_per_replica",
     "model_strategy",
     "nadam_momentum_product",
     "node_key",
@@ -573,6 +575,90 @@ def autocast(dtype: Any) -> Any:
     from keras.src.backend.common.variables import AutocastScope
 
     return AutocastScope(dtype)
+
+
+# -- Keras layers' added losses ------------------------------------------------------------
+# While ``losses_per_replica`` is entered in this thread: each layer's losses added in it
+# (``add_loss``), by ``id`` of the layer.
+_REPLICA_LOSSES: contextvars.ContextVar[dict[int, list[Any]] | None] = contextvars.ContextVar(
+    "tfscale_replica_losses", default=None
+)
+
+
+def _in_stateless_scope() -> bool:
+    from keras.src import backend
+
+    return bool(backend.in_stateless_scope())
+
+
+def _add_loss_switch(keras: Callable[..., Any]) -> Callable[..., Any]:
+    def switched(self: Any, loss: Any) -> Any:
+        keras(self, loss)
+        own = _REPLICA_LOSSES.get()
+        if own is not None and not _in_stateless_scope():
+            import keras as keras_module
+
+            own.setdefault(id(self), []).extend(keras_module.tree.flatten(loss))
+
+    return switched
+
+
+def _own_losses_switch(keras: Callable[..., Any]) -> Callable[..., Any]:
+    def switched(self: Any) -> Any:
+        own = _REPLICA_LOSSES.get()
+        if own is None or _in_stateless_scope():
+            return keras(self)
+        return list(own.get(id(self), ()))
+
+    return switched
+
+
+def _clear_losses_switch(keras: Callable[..., Any]) -> Callable[..., Any]:
+    def switched(self: Any) -> Any:
+        keras(self)  # clears the sub-layers through this switch too (their class's method)
+        own = _REPLICA_LOSSES.get()
+        if own is not None:
+            own.pop(id(self), None)
+
+    return switched
+
+
+@contextlib.contextmanager
+def losses_per_replica() -> Iterator[None]:
+    """Makes the losses layers add (``add_loss``, activity regularizers) while this is active,
+    in this thread, this thread's own.
+
+    A Keras layer keeps its added losses in one list (``Layer._losses``), which
+    MirroredStrategy's replica threads share while they trace one step. A thread runs until
+    it reaches a ``merge_call``, so where one sits inside the forward pass (a synchronized
+    BatchNormalization's all-reduce, ``global_load_balancing``'s gather) the threads
+    interleave there: a replica that enters the model clears the losses another already
+    added (its gradient then lacks them: a penalty before a synchronized BatchNormalization
+    trained 5e-3 away from one device), and a replica reading its losses gets every earlier
+    replica's too (the reported loss counts them twice; Keras's own fit under a strategy
+    does both). While this is active, ``add_loss``, a layer's own losses and their clearing
+    read and write a list of this thread's.
+    """
+    layer = keras_layer_class()
+    releases = [
+        registry.install("replica-losses", layer, name, switch)
+        for name, switch in (
+            ("add_loss", _add_loss_switch),
+            ("_get_own_losses", _own_losses_switch),
+            ("_clear_losses", _clear_losses_switch),
+        )
+    ]
+    with _switched(_REPLICA_LOSSES, {}, releases):
+        yield
+
+
+def keras_layer_class() -> Any:
+    """``keras.src.layers.layer.Layer``, which defines ``add_loss``, ``_get_own_losses`` and
+    ``_clear_losses`` (:func:`losses_per_replica`); ``keras.layers.Layer`` is the backend's
+    subclass of it."""
+    from keras.src.layers.layer import Layer
+
+    return Layer
 
 
 # -- Keras losses ---------------------------------------------------------------------------

@@ -193,6 +193,17 @@ INTERCEPTIONS: tuple[Interception, ...] = (
         "tensorflow/tensorflow#42446",
     ),
     Interception(
+        "replica-losses",
+        "keras.src.layers.layer.Layer",
+        ("add_loss", "_get_own_losses", "_clear_losses"),
+        "while-needed",
+        "a layer's added losses are one list that MirroredStrategy's replica threads share; "
+        "where a merge_call sits in the forward pass (a synchronized BatchNormalization, "
+        "global_load_balancing) a replica cleared another's losses (a wrong gradient) or "
+        "read them too (a wrong reported loss): each replica's own list in the thread "
+        "tracing tfscale's step",
+    ),
+    Interception(
         "atomic-updates",
         "keras.Variable (TensorFlow backend)",
         ("assign_add", "assign_sub"),

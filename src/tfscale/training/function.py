@@ -260,7 +260,7 @@ class StepFunction:
         model = self.model
         jit = bool(self.options.jit_compile)
         totals = _BatchTotals(data, model, precompute=jit)
-        with internals.replica_count_scaling_off(totals):
+        with internals.replica_count_scaling_off(totals), internals.losses_per_replica():
             if self.kind == "test":
                 if jit:
                     return compiled_step(model.test_step, data, name=type(model).__name__)
