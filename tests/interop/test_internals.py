@@ -448,6 +448,23 @@ def test_replica_count_scaling_off() -> None:
         assert float(module.scale_loss_for_distribution(tf.constant(4.0))) == 2.0
 
 
+def test_losses_per_replica() -> None:
+    layer_class = internals.keras_layer_class()
+    for name in ("add_loss", "_get_own_losses", "_clear_losses"):
+        _require(layer_class, name, "losses_per_replica", "training")
+    assert issubclass(keras.layers.Layer, layer_class)
+    layer = keras.layers.Dense(2)
+    layer.add_loss(tf.constant(1.0))  # another thread's, as far as the block below goes
+    seen: list[list[float]] = []
+    with internals.losses_per_replica():
+        layer.add_loss(tf.constant(2.0))
+        seen.append([float(loss) for loss in layer.losses])
+        layer._clear_losses()
+        seen.append([float(loss) for loss in layer.losses])
+    assert seen == [[2.0], []]
+    assert [float(loss) for loss in layer.losses] == []  # Keras's own list, cleared too
+
+
 def test_tensorflow_variable_class_is_the_base_of_keras_variable() -> None:
     variable_class = internals.tensorflow_variable_class()
     assert issubclass(keras.Variable, variable_class)
