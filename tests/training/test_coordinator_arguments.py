@@ -56,6 +56,7 @@ SET = {
     "remat": "True",
     "jit_compile": "True",
     "sync_batchnorm": "True",
+    "global_load_balancing": "True",
     "bucket_bytes": "1024",
     "gradient_compression": "'bf16'",
     "shard_optimizer_state": "True",

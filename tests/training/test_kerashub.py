@@ -26,6 +26,8 @@ import keras
 import numpy as np
 import pytest
 
+import tfscale
+
 pytestmark = [pytest.mark.tf, pytest.mark.xdist_group("kerashub")]
 
 if tuple(int(part) for part in keras.__version__.split(".")[:2]) < (3, 15):
@@ -38,10 +40,16 @@ pytest.importorskip(
 )
 
 from .helpers import launch, strategy_for  # noqa: E402
-from .parity.kerashub_cases import CASES, DETECTION_CASES, generated  # noqa: E402
+from .parity.kerashub_cases import (  # noqa: E402
+    CASES,
+    DETECTION_CASES,
+    MOE_CASES,
+    generated,
+    next_tokens,
+)
 from .parity.registry import Case, Run, param, run_case, run_reference  # noqa: E402
 
-_BY_NAME = {case.name: case for case in CASES}
+_BY_NAME = {case.name: case for case in [*CASES, *MOE_CASES]}
 
 
 @functools.cache
@@ -107,6 +115,7 @@ LAUNCHED = (
     "bart_seq2seq_lm_adam:fit",
     "bert_masked_lm_sgd:fit",
     "gpt2_qlora_adam:fit",
+    "mixtral_global_sgd:fit",
 )
 
 
@@ -159,6 +168,37 @@ def test_models_under_tfscale_launch_give_one_device_weights(tmp_path: Path) -> 
             check(expected, got)
         if "generated" in reports[0][run]:
             np.testing.assert_array_equal(reports[0][run]["generated"], generated(expected.model))
+
+
+# -- mixture of experts --------------------------------------------------------------------------
+@pytest.mark.parametrize("case", [param(case) for case in MOE_CASES])
+def test_mixture_of_experts_balances_the_whole_batch_with_global_load_balancing(case: Case) -> None:
+    """KerasHub's Mixtral and Qwen3-MoE add a load-balancing loss over the tokens of the
+    batch each replica is given: with ``global_load_balancing=True`` every replica gathers the
+    replicas' router logits and the update, loss and History are one device's, on batches
+    split unevenly (4 + 3) too; without it the weights differ (the known difference). The
+    Mixtral case by ``tfscale.prepare`` + ``model.fit`` too, and across 2 launched workers
+    (``LAUNCHED``)."""
+    expected, _ = run_case(case, strategy_for(2))
+    if case.name == "mixtral_global_sgd":
+        run_case(case, strategy_for(2), prepared=True, expected=expected)
+
+
+def test_global_load_balancing_is_refused_without_experts_and_under_xla() -> None:
+    """Refused before the first update: for a model none of whose layers computes KerasHub's
+    load-balancing loss (found as its train step is traced: the option would change
+    nothing), and with XLA (found before any work)."""
+    model = _BY_NAME["gpt2_causal_lm_sgd"].build()
+    with pytest.raises(tfscale.TrainingError, match=r"in its train step, so it would change"):
+        tfscale.fit(model, *next_tokens()[:2], strategy=strategy_for(2), global_load_balancing=True)
+    assert int(model.optimizer.iterations.numpy()) == 0
+    model = MOE_CASES[0].build()
+    with pytest.raises(tfscale.TrainingError, match="no collective can run inside"):
+        tfscale.fit(
+            model, *next_tokens()[:2], strategy=strategy_for(2), global_load_balancing=True,
+            jit_compile=True,
+        )  # fmt: skip
+    assert int(model.optimizer.iterations.numpy()) == 0
 
 
 # -- a loss normalized over the batch ------------------------------------------------------------

@@ -61,6 +61,8 @@ __all__ = [
     "keras_layer_class",
     "keras_loss_module",
     "lists_to_tuples",
+    "load_balancing_modules",
+    "load_balancing_over_the_batch",
     "losses_per_replica",
     "model_strategy",
     "nadam_momentum_product",
@@ -931,6 +933,87 @@ def watch_loss_reductions(
             each()
 
     return release
+
+
+# -- KerasHub -------------------------------------------------------------------------------
+# The KerasHub function every mixture-of-experts decoder of KerasHub 0.32 calls (Mixtral,
+# QwenMoe, Qwen3Moe, Qwen3.5-MoE), each module with its own copy, looked up in the module's
+# globals at each call: ``compute_load_balancing_loss(router_logits, num_experts, top_k,
+# attention_mask)`` (``router_logits``: one row per token of the batch).
+_LOAD_BALANCING = "compute_load_balancing_loss"
+_KERAS_HUB_MODELS = "keras_hub.src.models."
+
+# While ``load_balancing_over_the_batch`` is entered: how to gather a tensor's rows over the
+# step's whole batch (the router logits, with a gradient; a mask, without).
+_BATCH_GATHER: contextvars.ContextVar[tuple[Callable[[Any], Any], Callable[[Any], Any]] | None] = (
+    contextvars.ContextVar("tfscale_batch_gather", default=None)
+)
+
+
+def load_balancing_modules() -> list[Any]:
+    """The imported KerasHub modules that define ``compute_load_balancing_loss`` with the
+    signature above (``keras_hub.src.models.<model>.<model>_decoder``)."""
+    import inspect
+    import sys
+
+    found = []
+    for name, module in list(sys.modules.items()):
+        if not name.startswith(_KERAS_HUB_MODELS):
+            continue
+        function = getattr(module, _LOAD_BALANCING, None)
+        if function is None or not callable(function):
+            continue
+        try:
+            parameters = list(inspect.signature(function).parameters)
+        except (TypeError, ValueError):
+            continue
+        if parameters[:4] == ["router_logits", "num_experts", "top_k", "attention_mask"]:
+            found.append(module)
+    return found
+
+
+def _load_balancing_switch(keras_hub: Callable[..., Any]) -> Callable[..., Any]:
+    def switched(
+        router_logits: Any, num_experts: Any, top_k: Any, attention_mask: Any = None
+    ) -> Any:
+        gathers = _BATCH_GATHER.get()
+        if gathers is not None:
+            with_gradient, without_gradient = gathers
+            router_logits = with_gradient(router_logits)
+            if attention_mask is not None:
+                attention_mask = without_gradient(attention_mask)
+        return keras_hub(
+            router_logits=router_logits,
+            num_experts=num_experts,
+            top_k=top_k,
+            attention_mask=attention_mask,
+        )
+
+    return switched
+
+
+@contextlib.contextmanager
+def load_balancing_over_the_batch(
+    with_gradient: Callable[[Any], Any], without_gradient: Callable[[Any], Any]
+) -> Iterator[None]:
+    """Makes KerasHub's load-balancing losses, computed in this thread while active, the
+    loss of the step's whole batch, as on one device.
+
+    A mixture-of-experts layer adds ``coefficient * E * sum_e f_e * P_e`` (``f_e``: the share
+    of the batch's tokens routed to expert e, ``P_e``: its mean router probability), a
+    product of two means over the tokens of the batch it is given: under a strategy each
+    replica balances its own share (Keras's own fit too; a tiny Mixtral ends 0.30 apart
+    from one device after 10 steps). While this is active, ``compute_load_balancing_loss``
+    reads the router logits and the attention mask of every replica's tokens
+    (``with_gradient`` / ``without_gradient`` gather a tensor's rows over the replicas), so
+    each replica computes the whole batch's loss.
+    """
+    releases = [
+        registry.install("load-balancing", module, _LOAD_BALANCING, _load_balancing_switch)
+        for module in load_balancing_modules()
+    ]
+    with _switched(_BATCH_GATHER, (with_gradient, without_gradient), releases):
+        yield
 
 
 # -- TensorFlow -----------------------------------------------------------------------------

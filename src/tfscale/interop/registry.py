@@ -193,6 +193,16 @@ INTERCEPTIONS: tuple[Interception, ...] = (
         "tensorflow/tensorflow#42446",
     ),
     Interception(
+        "load-balancing",
+        "keras_hub.src.models.*_decoder modules (Mixtral, QwenMoe, Qwen3Moe, Qwen3.5-MoE)",
+        ("compute_load_balancing_loss",),
+        "while-needed",
+        "a mixture-of-experts layer's load-balancing loss is a product of two means over the "
+        "batch's tokens: with global_load_balancing=True it reads every replica's router "
+        "logits in the thread tracing tfscale's step, so that it is the whole batch's, as on "
+        "one device (each replica's own share otherwise, as under Keras's own fit)",
+    ),
+    Interception(
         "replica-losses",
         "keras.src.layers.layer.Layer",
         ("add_loss", "_get_own_losses", "_clear_losses"),

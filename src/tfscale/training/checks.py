@@ -18,8 +18,10 @@ __all__ = [
     "check_checkpoint_dir",
     "check_global_clipnorm",
     "check_inputs",
+    "check_load_balancing",
     "check_pipeline_batches",
     "check_validation",
+    "no_load_balancing_loss",
     "python_int",
 ]
 
@@ -405,3 +407,41 @@ def check_pipeline_batches(model: Any, x: Any, batch_size: int | None) -> None:
     examples = _length(x)
     if examples is not None:
         check(32 if batch_size is None else int(batch_size), examples)
+
+
+def check_load_balancing(global_load_balancing: bool, jit_compile: bool) -> None:
+    """``global_load_balancing=True`` against the step it will be trained in.
+
+    Raises:
+        TrainingError: The step is compiled with XLA (no gather can run in it).
+    """
+    if global_load_balancing and jit_compile:
+        raise TrainingError(
+            explain(
+                "global_load_balancing=True gathers each mixture-of-experts layer's router "
+                "logits over the replicas inside the step, and no collective can run inside "
+                "the step tfscale compiles with XLA.",
+                received="global_load_balancing=True with jit_compile=True",
+                fix="train with jit_compile=False, or without global_load_balancing (each "
+                "replica then balances its own share of the batch, as Keras's own fit does).",
+            )
+        )
+
+
+def no_load_balancing_loss(model: Any) -> TrainingError:
+    """The error for a train step traced with ``global_load_balancing=True`` in which no
+    layer computed KerasHub's load-balancing loss: the option would change nothing."""
+    return TrainingError(
+        explain(
+            "global_load_balancing=True computes the load-balancing loss of KerasHub's "
+            "mixture-of-experts layers over the whole batch; no layer of this model "
+            "computed one in its train step, so it would change nothing.",
+            received=f"global_load_balancing=True for {type(model).__name__} "
+            f"{getattr(model, 'name', '')!r}",
+            allowed="a model with KerasHub's Mixtral, QwenMoe, Qwen3Moe or Qwen3.5-MoE "
+            "layers (keras_hub.models.MixtralBackbone, ...)",
+            fix="drop global_load_balancing; for a mixture-of-experts layer of your own, "
+            "compute its batch statistics over tf.distribute.get_replica_context()"
+            ".all_gather(...) of its router logits.",
+        )
+    )

@@ -44,6 +44,7 @@ import tensorflow as tf
 from tfscale.errors import TrainingError, explain
 from tfscale.interop import internals
 from tfscale.strategy.current import num_workers
+from tfscale.training.batchwide import load_balancing_over_the_batch
 from tfscale.training.layercalls import layer_calls
 from tfscale.training.memory.oom import is_out_of_memory, out_of_memory_error
 from tfscale.training.optimizer import step_context
@@ -270,6 +271,9 @@ class StepFunction:
                 step_context(
                     example_count(data), all_reduce=self.all_reduce, options=self.options
                 ) as context,
+                load_balancing_over_the_batch(model, example_count(data))
+                if self.options.global_load_balancing
+                else contextlib.nullcontext(),
             ):
                 if jit:
                     # Forward and backward in one XLA cluster, the update after it (xla.py).

@@ -221,6 +221,15 @@ class Options:
         _switch,
         _SYNCHRONOUS,
     )
+    global_load_balancing: bool = _option(
+        False,
+        """A mixture-of-experts layer's load-balancing loss (KerasHub's Mixtral, QwenMoe,
+        Qwen3Moe, Qwen3.5-MoE) is computed over the whole global batch's tokens, as on one
+        device, instead of over each replica's share (what Keras's own fit and
+        Megatron's default do): each layer gathers the replicas' router logits.""",
+        _switch,
+        _SYNCHRONOUS,
+    )
     bucket_bytes: int | None = _option(
         None,
         """All-reduce the gradients in buckets of about this many bytes, from the last
@@ -313,6 +322,8 @@ class Decided:
         remat: Recompute activations in the backward pass.
         jit_compile: Compile the model's forward and backward pass with XLA (decided).
         sync_batchnorm: BatchNormalization statistics over all replicas' examples.
+        global_load_balancing: Mixture-of-experts load-balancing losses over the whole
+            batch's tokens.
         precision: The decided mixed precision.
         shard_optimizer_state: Keep each optimizer slot once, one shard per replica (ZeRO
             stage 1, ``training/sharding.py``).
@@ -325,6 +336,7 @@ class Decided:
     remat: bool = False
     jit_compile: bool = False
     sync_batchnorm: bool = False
+    global_load_balancing: bool = False
     precision: Precision = field(default_factory=lambda: resolve_precision(None))
     shard_optimizer_state: bool = False
 
@@ -345,6 +357,7 @@ def decide(options: Options, compiled_jit: bool = False) -> Decided:
         remat=options.remat,
         jit_compile=compiled_jit if options.jit_compile is None else options.jit_compile,
         sync_batchnorm=options.sync_batchnorm,
+        global_load_balancing=options.global_load_balancing,
         precision=resolve_precision(options.mixed_precision),
         shard_optimizer_state=options.shard_optimizer_state,
     )

@@ -39,7 +39,7 @@ from tfscale.interop.script_watch import call_by_name
 from tfscale.training import conventions
 from tfscale.training.adopt import adopt, has_call, keras_accumulation_steps, model_optimizers
 from tfscale.training.callbacks import guarded, halt_released
-from tfscale.training.checks import check_batched
+from tfscale.training.checks import check_batched, check_load_balancing
 from tfscale.training.data import COPIED_FIT_ARGUMENTS, FitInputs, copied_batches
 from tfscale.training.function import StepFunction, example_count
 from tfscale.training.loop import register_loop
@@ -408,6 +408,7 @@ def prepare_model(
     if callable(own_check):
         own_check(strategy)
     decided = decide(options, compiled_jit=bool(model.jit_compile))
+    check_load_balancing(decided.global_load_balancing, decided.jit_compile)
     state = prepared(model)
     if state is None or state.strategy is not strategy:
         state = Prepared(model, strategy, decided)

@@ -25,14 +25,14 @@ strategy = tf.distribute.MultiWorkerMirroredStrategy()
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/
 
-from training.parity.kerashub_cases import CASES, generated  # noqa: E402
+from training.parity.kerashub_cases import CASES, MOE_CASES, generated  # noqa: E402
 from training.parity.registry import run_tfscale  # noqa: E402
 
 
 def main() -> None:
     out = Path(sys.argv[1])
     index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
-    cases = {case.name: case for case in CASES}
+    cases = {case.name: case for case in [*CASES, *MOE_CASES]}
     report: dict[str, Any] = {}
     for run in sys.argv[2].split(","):
         name, mode = run.split(":")

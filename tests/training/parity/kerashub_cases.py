@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from .common import SEED, aligned, dense_gradients
 from .registry import Case, Check, Run, same_history, same_iterations
-from .sparse_cases import same_weights_per_variable
+from .sparse_cases import same_weights_per_variable, variable_differences
 
 WEIGHTS_RTOL = 1e-5
 VOCAB, LENGTH, HIDDEN, EXAMPLES, BATCH, EPOCHS = 96, 8, 16, 32, 8, 2
@@ -322,6 +322,34 @@ def retinanet(reference: bool = False, batch_count: bool = False) -> Any:
     return model
 
 
+EXPERTS, TOP_K, AUX_COEFFICIENT = 4, 2, 0.02
+
+
+def mixtral(optimizer: str, reference: bool = False) -> Any:
+    """``MixtralCausalLM`` on token ids: one decoder layer of 4 experts, 2 per token, with a
+    load-balancing loss of weight 0.02 (KerasHub's default)."""
+    keras.utils.set_random_seed(SEED)
+    backbone = keras_hub.models.MixtralBackbone(
+        vocabulary_size=VOCAB, num_query_heads=2, num_key_value_heads=1, num_experts=EXPERTS,
+        top_k=TOP_K, router_aux_loss_coef=AUX_COEFFICIENT, **TINY,
+    )  # fmt: skip
+    model = keras_hub.models.MixtralCausalLM(backbone, preprocessor=None)
+    return _compiled(model, optimizer, reference, weighted_metrics=[])
+
+
+def qwen3_moe(optimizer: str, reference: bool = False) -> Any:
+    """``Qwen3MoeCausalLM`` on token ids: one decoder layer of 4 experts, 2 per token (its
+    attention mask, unlike Mixtral's, is the 3-D causal one), load-balancing weight 0.02."""
+    keras.utils.set_random_seed(SEED)
+    backbone = keras_hub.models.Qwen3MoeBackbone(
+        vocabulary_size=VOCAB, num_query_heads=2, num_key_value_heads=1, head_dim=8,
+        moe_intermediate_dim=HIDDEN, num_experts=EXPERTS, top_k=TOP_K,
+        router_aux_loss_coefficient=AUX_COEFFICIENT, **TINY,
+    )  # fmt: skip
+    model = keras_hub.models.Qwen3MoeCausalLM(backbone, preprocessor=None)
+    return _compiled(model, optimizer, reference, weighted_metrics=[])
+
+
 # -- checks ----------------------------------------------------------------------------------------
 def lora_only(expected: Run, got: Run) -> None:
     """LoRA trained what it leaves trainable and nothing else: every ``lora_kernel_b`` (zeros
@@ -419,6 +447,12 @@ ROUNDING = {
         "gradient_accumulation_steps=2) differs from its own full-batch fit by 1.36e-5 there, "
         "2 replicas by 1.33e-5 (an AMD EPYC host: both under 1e-5); 5e-5 leaves that 3.7x",
     ),
+    "qwen3_moe_global_adam": (
+        1e-4,
+        "Adam's normalisation scales up the rounding of small gradients: one device's own "
+        "graph and eager fits of this model differ by 1.2e-5 (the query kernel), 2 replicas "
+        "by 4e-5 (the token embedding); with SGD 2 replicas are 3e-7 from one device",
+    ),
 }
 
 
@@ -470,6 +504,62 @@ CASES = [
             (lora_only,),
         ),
     )
+]
+
+
+# -- mixture of experts: a load-balancing loss over the batch's tokens ---------------------------
+UNEVEN_BATCH = 7  # split 4 + 3 over 2 replicas (the last batch of 4: 2 + 2)
+
+
+def _moe_fit() -> dict[str, Any]:
+    arguments = _fit(next_tokens)()
+    arguments["batch_size"] = UNEVEN_BATCH
+    return arguments
+
+
+def balanced_per_replica(expected: Run, got: Run) -> None:
+    """Each replica balances the experts over its own share of the tokens (KerasHub's loss
+    is a product of two means over the batch it is given): the weights differ from one
+    device's, as under Keras's own fit (docs/training.md, "Mixture of experts")."""
+    differences = variable_differences(got.model, expected.model)
+    worst = max(differences.values())
+    assert worst > 1e-3, f"per-replica load balancing gave one device's weights ({worst:.3g})"
+
+
+def _moe_case(
+    name: str, model: str, build: Callable[..., Any], optimizer: str, global_batch: bool
+) -> Case:
+    if global_batch:
+        rtol, why = ROUNDING.get(f"{name}_global_{optimizer}", (WEIGHTS_RTOL, None))
+        return Case(
+            f"{name}_global_{optimizer}",
+            f"{SOURCE.format(model)}, global_load_balancing=True",
+            lambda: build(optimizer),
+            _moe_fit,
+            options={"global_load_balancing": True},
+            reference_build=lambda: build(optimizer, reference=True),
+            checks=[same_weights_per_variable(rtol), same_history(), same_iterations],
+            weights_rtol=rtol,
+            known_difference=why,
+        )
+    return Case(
+        f"{name}_per_replica_{optimizer}",
+        SOURCE.format(model),
+        lambda: build(optimizer),
+        _moe_fit,
+        reference_build=lambda: build(optimizer, reference=True),
+        checks=[balanced_per_replica, same_iterations],
+        known_difference=(
+            "each replica's load-balancing loss is over its own share of the batch's tokens "
+            "(docs/training.md, 'Mixture of experts')"
+        ),
+    )
+
+
+MOE_CASES = [
+    _moe_case("mixtral", "MixtralCausalLM", mixtral, "sgd", global_batch=True),
+    _moe_case("qwen3_moe", "Qwen3MoeCausalLM", qwen3_moe, "adam", global_batch=True),
+    _moe_case("mixtral", "MixtralCausalLM", mixtral, "sgd", global_batch=False),
 ]
 
 
