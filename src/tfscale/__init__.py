@@ -49,6 +49,7 @@ _LAZY: dict[str, str] = {
     "Options": "tfscale.training.options",
     "Trainer": "tfscale.training.trainer",
     "fit": "tfscale.training.fit",
+    "gather_batch": "tfscale.training.batchwide",
     "prepare": "tfscale.training.prepare",
     "prepare_loop": "tfscale.training.loop",
     "PartitionPlan": "tfscale.parallel.partition",

@@ -72,6 +72,7 @@ __all__ = [
     "optimizer_trainable_variables",
     "optimizer_uses_weight_decay",
     "per_replica_component_specs",
+    "per_replica_losses_active",
     "reduce_per_replica",
     "register_same_name",
     "reinitialize_variable",
@@ -585,6 +586,12 @@ def autocast(dtype: Any) -> Any:
 _REPLICA_LOSSES: contextvars.ContextVar[dict[int, list[Any]] | None] = contextvars.ContextVar(
     "tfscale_replica_losses", default=None
 )
+
+
+def per_replica_losses_active() -> bool:
+    """Whether this thread is inside :func:`replica_count_scaling_off` (tracing one of
+    tfscale's replica steps, train or test)."""
+    return bool(_PER_REPLICA_LOSSES.get())
 
 
 def _in_stateless_scope() -> bool:

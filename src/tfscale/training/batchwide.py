@@ -1,9 +1,12 @@
 """A tensor's rows over the whole global batch, inside one replica's step.
 
 A loss made of statistics of the whole batch (a mixture-of-experts layer's load-balancing
-loss: the share of the tokens routed to each expert times its mean router probability) is not
-a mean of per-example losses, so each replica computing it from its own share gives another
-loss than one device's. Gathered over the replicas, every replica computes the batch's own.
+loss: the share of the tokens routed to each expert times its mean router probability; a
+contrastive loss over in-batch negatives) is not a mean of per-example losses, so each
+replica computing it from its own share gives another loss than one device's. Gathered over
+the replicas (``tfscale.gather_batch``, ``global_load_balancing``), every replica computes
+the batch's own; tfscale leaves such a loss out of its corrections of a replica's sums over
+its share (``derives_from_gathered``).
 
 The gradient is tfscale's, not ``ReplicaContext.all_gather``'s: tfscale's update is
 ``sum_r n_r g_r / sum_r n_r`` (``training/optimizer.py``: each replica's gradient weighed by
@@ -17,25 +20,44 @@ replica r divides its rows by ``n_r``: the update is then the gradient of
 from __future__ import annotations
 
 import contextlib
+import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import tensorflow as tf
 
+from tfscale.errors import TrainingError, explain
 from tfscale.interop import internals
-from tfscale.training.checks import check_load_balancing, no_load_balancing_loss
+from tfscale.training.checks import no_load_balancing_loss
+from tfscale.training.optimizer import current_example_count
 from tfscale.training.xla import in_compiled_step
 
-__all__ = ["load_balancing_over_the_batch"]
+__all__ = ["derives_from_gathered", "gather_batch", "load_balancing_over_the_batch"]
 
 _CARRIED = {"bool": tf.int32}  # the gather collective takes numbers only
 
+# The ops whose outputs are gathered rows, per thread (MirroredStrategy traces each replica
+# in one): a loss computed from them holds the whole batch's values on every replica, which
+# the corrections for a replica's sums over its share must leave alone (derives_from_gathered).
+_LOCAL = threading.local()
+# Ops a loss's ancestry is searched through at most (a transformer's loss has a few thousand).
+_ANCESTRY_LIMIT = 20000
+
 
 def _refuse_in_compiled_step() -> None:
-    # Refused before any work (checks.check_load_balancing); a step compiled another way
-    # (a compute_loss the user compiles) still gets the same error here.
+    # global_load_balancing is refused before any work (checks.check_load_balancing); a
+    # gather in a step compiled another way gets an error here.
     if in_compiled_step():
-        check_load_balancing(True, jit_compile=True)
+        raise TrainingError(
+            explain(
+                "A tensor is gathered over the replicas (tfscale.gather_batch, "
+                "global_load_balancing) inside the step tfscale compiles with XLA, where no "
+                "collective can run.",
+                received="jit_compile=True",
+                fix="train with jit_compile=False.",
+            )
+        )
 
 
 def _gather(context: Any, value: Any) -> Any:
@@ -46,13 +68,40 @@ def _gather(context: Any, value: Any) -> Any:
     return tf.cast(carried, value.dtype)
 
 
+def _recorded(gathered: Any) -> Any:
+    ops = getattr(_LOCAL, "ops", None)
+    if ops is None:
+        ops = _LOCAL.ops = weakref.WeakSet()
+    ops.add(gathered.op)
+    return gathered
+
+
+def derives_from_gathered(tensor: Any) -> bool:
+    """Whether ``tensor`` (traced in this thread) is computed from rows this module gathered
+    over the replicas: then it holds the whole batch's values, not the replica's share's."""
+    ops = getattr(_LOCAL, "ops", None)
+    if not ops or getattr(tensor, "op", None) is None:
+        return False
+    seen: set[int] = set()
+    stack = [tensor.op]
+    while stack and len(seen) < _ANCESTRY_LIMIT:
+        op = stack.pop()
+        if op in ops:
+            return True
+        if id(op) in seen:
+            continue
+        seen.add(id(op))
+        stack.extend(value.op for value in op.inputs)
+    return False
+
+
 def gather_rows(value: Any) -> Any:
     """``value``'s rows of every replica, in replica order, without a gradient (a mask)."""
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
         return value
     _refuse_in_compiled_step()
-    return _gather(context, value)
+    return _recorded(_gather(context, value))
 
 
 def gather_rows_weighted(value: Any, examples: Any) -> Any:
@@ -77,7 +126,7 @@ def gather_rows_weighted(value: Any, examples: Any) -> Any:
 
         return _gather(context, mine), backward
 
-    return gathered(value)
+    return _recorded(gathered(value))
 
 
 @contextlib.contextmanager
@@ -99,3 +148,53 @@ def load_balancing_over_the_batch(model: Any, examples: Any) -> Iterator[None]:
         yield
     if not gathered:
         raise no_load_balancing_loss(model)
+
+
+def gather_batch(value: Any) -> Any:
+    """``value``'s rows for the whole global batch: every replica's, in replica order.
+
+    Call it inside a model's ``call``, ``train_step`` or ``compute_loss`` where a loss needs
+    the whole batch rather than the replica's share of it: a contrastive loss over in-batch
+    negatives (CLIP, SimCLR), where one device compares each example with every other one
+    of the batch. Gathered, each replica compares its own examples with all of the batch's,
+    and tfscale's weighting of the replicas' per-example means gives one device's loss and
+    update (the gather's gradient carries that weighting: module doc). Where there is
+    nothing to gather (no strategy, one replica, Keras building the model) it returns
+    ``value``; in tfscale's test step it gathers without a gradient.
+
+    Args:
+        value: A tensor whose first dimension holds this replica's rows (its share of the
+            batch's examples, or anything per example); the rows of the replicas may differ
+            in number (an uneven split).
+
+    Returns:
+        A tensor of every replica's rows of ``value``, concatenated in replica order.
+
+    Raises:
+        TrainingError: Called under a strategy outside a step of a model trained by
+            ``tfscale.fit`` or ``tfscale.prepare`` (a custom loop, Keras's own fit: their
+            weighting of the replicas is not the gather's), or inside a step compiled with
+            XLA.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return value
+    value = tf.convert_to_tensor(value)
+    examples = current_example_count()
+    if examples is not None:
+        return gather_rows_weighted(value, examples)
+    if internals.per_replica_losses_active():  # tfscale's test step: no gradient taken
+        return gather_rows(value)
+    raise TrainingError(
+        explain(
+            "tfscale.gather_batch was called in a replica's step that tfscale did not trace: "
+            "its gradient must carry the weight tfscale's update gives each replica, which "
+            "only tfscale's own step knows.",
+            received=f"tfscale.gather_batch under {type(context.strategy).__name__}, outside "
+            "a step of a model trained by tfscale.fit or tfscale.prepare",
+            allowed="a model's call, train_step or compute_loss, trained by tfscale.fit or "
+            "tfscale.prepare(model) + model.fit",
+            fix="train the model with tfscale.fit(model, ...) or tfscale.prepare(model) and "
+            "then model.fit(...).",
+        )
+    )

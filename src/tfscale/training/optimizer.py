@@ -60,6 +60,7 @@ from tfscale.training.sharding import ShardedState, install
 __all__ = [
     "DistributedUpdate",
     "StepContext",
+    "current_example_count",
     "distributed_update",
     "step_context",
     "step_in_progress",
@@ -117,6 +118,13 @@ def step_context(
 
 def _current() -> StepContext | None:
     return getattr(_LOCAL, "step", None)
+
+
+def current_example_count() -> tf.Tensor | None:
+    """This replica's example count in the step this thread is tracing (one of tfscale's own
+    replica steps), or None."""
+    step = _current()
+    return None if step is None else step.count
 
 
 def step_in_progress() -> bool:

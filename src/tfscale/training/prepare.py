@@ -38,6 +38,7 @@ from tfscale.interop import internals, registry
 from tfscale.interop.script_watch import call_by_name
 from tfscale.training import conventions
 from tfscale.training.adopt import adopt, has_call, keras_accumulation_steps, model_optimizers
+from tfscale.training.batchwide import derives_from_gathered
 from tfscale.training.callbacks import guarded, halt_released
 from tfscale.training.checks import check_batched, check_load_balancing
 from tfscale.training.data import COPIED_FIT_ARGUMENTS, FitInputs, copied_batches
@@ -256,7 +257,9 @@ class Prepared:
             # Unreduced (a compiled Loss with reduction=None): its gradient is the sum over
             # the replica's examples, one device's the batch's sum (as reduction="sum").
             # Keras's loss tracker averages its elements: their values stay as they are.
-            scaled = internals.as_batch_sum(loss)
+            # Computed from gathered rows (tfscale.gather_batch), it is the whole batch's
+            # already, on every replica alike: left as it is.
+            scaled = loss if derives_from_gathered(loss) else internals.as_batch_sum(loss)
             if scaled is not loss:  # in tfscale's step (a custom loop reads the vector itself)
                 loss = tf.stop_gradient(loss) + (scaled - tf.stop_gradient(scaled))
         else:
@@ -454,7 +457,7 @@ def _sums_made_the_batchs(loss: Any, data: Any) -> Any:
     batch's sum as tfscale weighs it (``internals.as_batch_sum``): the gradient and the
     reported loss are one device's, as for a compiled ``Loss`` with ``reduction="sum"``.
     Other terms stay per-replica means."""
-    for summed, factor in conventions.sums_over_examples(loss, data):
+    for summed, factor in conventions.sums_over_examples(loss, data, derives_from_gathered):
         summed = tf.cast(summed, loss.dtype)
         scaled = internals.as_batch_sum(summed)
         if scaled is summed:

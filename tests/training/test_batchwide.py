@@ -1,0 +1,181 @@
+"""``tfscale.gather_batch``: a loss over the whole batch (a contrastive loss over in-batch
+negatives) is one device's on 2 replicas, also where the batches split unevenly, and
+refused where its gradient cannot carry tfscale's weighting.
+
+The model is keras-io's dual encoder ("Natural language image search with a Dual Encoder",
+examples/vision/nl_image_search_with_dual_encoder.py): its ``compute_loss`` and ``train_step``
+as the example writes them (a per-example loss vector, differentiated as it is), on small
+dense encoders of random features, with the two lines that gather the embeddings first."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfscale
+from tfscale.testing import relative_difference
+
+from .helpers import strategy_for
+
+pytestmark = pytest.mark.tf
+
+EXAMPLES, BATCH = 30, 7  # batches of 7 split 4 + 3 over 2 replicas, the last one 1 + 1
+
+
+class DualEncoder(keras.Model):  # type: ignore[misc]
+    """keras-io's ``DualEncoder``; ``gather`` adds the two lines that make its loss the
+    whole batch's under a strategy."""
+
+    def __init__(self, gather: bool, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        keras.utils.set_random_seed(4)
+        dense = keras.layers.Dense
+        self.text_encoder = keras.Sequential(
+            [keras.Input((10,)), dense(8, activation="tanh"), dense(4)]
+        )
+        self.image_encoder = keras.Sequential(
+            [keras.Input((12,)), dense(8, activation="tanh"), dense(4)]
+        )
+        self.temperature = 0.5
+        self.gather = gather
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+
+    @property
+    def metrics(self) -> list[Any]:
+        return [self.loss_tracker]
+
+    def call(self, features: Any, training: bool = False) -> Any:
+        caption_embeddings = self.text_encoder(features["caption"], training=training)
+        image_embeddings = self.image_encoder(features["image"], training=training)
+        return caption_embeddings, image_embeddings
+
+    def compute_loss(self, caption_embeddings: Any, image_embeddings: Any) -> Any:
+        if self.gather:
+            caption_embeddings = tfscale.gather_batch(caption_embeddings)
+            image_embeddings = tfscale.gather_batch(image_embeddings)
+        # keras-io's loss, as written there.
+        logits = (
+            tf.matmul(caption_embeddings, image_embeddings, transpose_b=True) / self.temperature
+        )
+        images_similarity = tf.matmul(image_embeddings, image_embeddings, transpose_b=True)
+        captions_similarity = tf.matmul(caption_embeddings, caption_embeddings, transpose_b=True)
+        targets = keras.activations.softmax(
+            (captions_similarity + images_similarity) / (2 * self.temperature)
+        )
+        captions_loss = keras.losses.categorical_crossentropy(
+            y_true=targets, y_pred=logits, from_logits=True
+        )
+        images_loss = keras.losses.categorical_crossentropy(
+            y_true=tf.transpose(targets), y_pred=tf.transpose(logits), from_logits=True
+        )
+        return (captions_loss + images_loss) / 2
+
+    def train_step(self, features: Any) -> Any:
+        with tf.GradientTape() as tape:
+            caption_embeddings, image_embeddings = self(features, training=True)
+            loss = self.compute_loss(caption_embeddings, image_embeddings)
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables, strict=True))
+        self.loss_tracker.update_state(loss)
+        return {"loss": self.loss_tracker.result()}
+
+    def test_step(self, features: Any) -> Any:
+        caption_embeddings, image_embeddings = self(features, training=False)
+        loss = self.compute_loss(caption_embeddings, image_embeddings)
+        self.loss_tracker.update_state(loss)
+        return {"loss": self.loss_tracker.result()}
+
+
+class ReducedDualEncoder(DualEncoder):
+    """The same loss as Keras's ``compute_loss`` override returning its sum or its mean,
+    trained by Keras's own ``train_step``."""
+
+    def __init__(self, gather: bool, reduce: str, **kwargs: Any) -> None:
+        super().__init__(gather, **kwargs)
+        self.reduce = reduce
+
+    @property
+    def metrics(self) -> list[Any]:
+        return keras.Model.metrics.fget(self)  # type: ignore[no-any-return]
+
+    def compute_loss(  # type: ignore[override]
+        self, x: Any = None, y: Any = None, y_pred: Any = None, sample_weight: Any = None,
+        training: bool = True,
+    ) -> Any:  # fmt: skip
+        loss = super().compute_loss(*y_pred)
+        return keras.ops.sum(loss) if self.reduce == "sum" else keras.ops.mean(loss)
+
+    def train_step(self, features: Any) -> Any:
+        return keras.Model.train_step(self, features)
+
+    def test_step(self, features: Any) -> Any:
+        return keras.Model.test_step(self, features)
+
+
+def _features() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1)
+    return {
+        "caption": rng.normal(size=(EXAMPLES, 10)).astype("float32"),
+        "image": rng.normal(size=(EXAMPLES, 12)).astype("float32"),
+    }
+
+
+def _model(gather: bool, reduce: str | None = None, **compile_args: Any) -> DualEncoder:
+    model = DualEncoder(gather) if reduce is None else ReducedDualEncoder(gather, reduce)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), **compile_args)
+    return model
+
+
+def _fits(gather: bool, reduce: str | None = None) -> tuple[Any, Any, Any, Any]:
+    """One device's fit and tfscale.fit's on 2 replicas, with validation."""
+    features = _features()
+    fit = {"batch_size": BATCH, "epochs": 2, "shuffle": False, "verbose": 0,
+           "validation_data": (features,), "validation_batch_size": BATCH}  # fmt: skip
+    reference = _model(gather, reduce)
+    with tf.device("/device:CPU:0"):
+        expected = reference.fit(features, **fit)
+    model = _model(gather, reduce)
+    history = tfscale.fit(model, features, strategy=strategy_for(2), **fit)
+    return reference, expected, model, history
+
+
+@pytest.mark.parametrize("reduce", [None, "sum", "mean"], ids=["keras_io", "sum", "mean"])
+def test_a_contrastive_loss_over_gathered_embeddings_is_one_devices(reduce: str | None) -> None:
+    """Each replica compares the whole batch's embeddings: the weights, loss and val_loss
+    are one device's, where the batch of 7 splits 4 + 3 (the gather's gradient weighs each
+    replica by its examples, as tfscale's update does). keras-io's loss vector differentiated
+    as it is, and its sum or mean returned by ``compute_loss`` through Keras's train_step
+    (a sum over gathered rows is every replica's alike: not rescaled as a share's sum)."""
+    reference, expected, model, history = _fits(gather=True, reduce=reduce)
+    assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5
+    assert set(history.history) == set(expected.history)
+    for key, values in expected.history.items():
+        assert relative_difference(history.history[key], values) <= 1e-5, key
+
+
+def test_without_the_gather_each_replica_compares_only_its_share() -> None:
+    """keras-io's dual encoder unchanged: each replica's negatives are its own share of the
+    batch, and the weights end far from one device's."""
+    reference, _, model, _ = _fits(gather=False)
+    assert relative_difference(model.get_weights(), reference.get_weights()) > 0.1
+
+
+def test_gather_batch_is_refused_outside_tfscales_step_and_under_xla() -> None:
+    features = _features()
+    with strategy_for(2).scope():
+        own = _model(gather=True)
+    with pytest.raises(tfscale.TrainingError, match="in a replica's step that tfscale did not"):
+        # Keras's own fit (a batch of 8: one of 7 splits unevenly, which it cannot start
+        # with, keras#19246).
+        own.fit(features, batch_size=8, epochs=1, verbose=0)
+    model = _model(gather=True, reduce="mean", jit_compile=True)
+    with pytest.raises(tfscale.TrainingError, match="inside the step tfscale compiles"):
+        tfscale.fit(model, features, batch_size=BATCH, epochs=1, verbose=0,
+                    strategy=strategy_for(2))  # fmt: skip
+    assert int(model.optimizer.iterations.numpy()) == 0
+    one = tf.constant([[1.0, 2.0]])
+    assert tfscale.gather_batch(one) is one  # no strategy: the value itself
