@@ -156,11 +156,12 @@ def gather_batch(value: Any) -> Any:
     Call it inside a model's ``call``, ``train_step`` or ``compute_loss`` where a loss needs
     the whole batch rather than the replica's share of it: a contrastive loss over in-batch
     negatives (CLIP, SimCLR), where one device compares each example with every other one
-    of the batch. Gathered, each replica compares its own examples with all of the batch's,
-    and tfscale's weighting of the replicas' per-example means gives one device's loss and
-    update (the gather's gradient carries that weighting: module doc). Where there is
-    nothing to gather (no strategy, one replica, Keras building the model) it returns
-    ``value``; in tfscale's test step it gathers without a gradient.
+    of the batch. A loss computed from gathered tensors is the whole batch's on every
+    replica, and tfscale's update is then one device's (the gather's gradient carries the
+    weight tfscale gives each replica: module doc; such a loss is left out of tfscale's
+    corrections of a replica's sums over its share). Where there is nothing to gather (no
+    strategy, one replica, Keras building the model) it returns ``value``; in tfscale's test
+    step it gathers without a gradient.
 
     Args:
         value: A tensor whose first dimension holds this replica's rows (its share of the
