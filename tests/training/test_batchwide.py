@@ -1,6 +1,7 @@
 """``tfscale.gather_batch``: a loss over the whole batch (a contrastive loss over in-batch
 negatives) is one device's on 2 replicas, also where the batches split unevenly, and
-refused where its gradient cannot carry tfscale's weighting.
+refused where its gradient cannot carry tfscale's weighting. CLIP's local loss (each
+replica's examples against the gathered batch, ``return_offset=True``) too.
 
 The model is keras-io's dual encoder ("Natural language image search with a Dual Encoder",
 examples/vision/nl_image_search_with_dual_encoder.py): its ``compute_loss`` and ``train_step``
@@ -90,13 +91,32 @@ class DualEncoder(keras.Model):  # type: ignore[misc]
         return {"loss": self.loss_tracker.result()}
 
 
-class ReducedDualEncoder(DualEncoder):
-    """The same loss as Keras's ``compute_loss`` override returning its sum or its mean,
-    trained by Keras's own ``train_step``."""
+class LocalLossDualEncoder(DualEncoder):
+    """CLIP's loss written as open_clip's ``local_loss=True`` writes it: each replica
+    compares its own captions and images with the whole batch's gathered other side, example
+    i's positive at row ``offset + i`` (one device: the whole batch, offset 0)."""
 
-    def __init__(self, gather: bool, reduce: str, **kwargs: Any) -> None:
+    def compute_loss(self, caption_embeddings: Any, image_embeddings: Any) -> Any:
+        all_images, offset = tfscale.gather_batch(image_embeddings, return_offset=True)
+        all_captions = tfscale.gather_batch(caption_embeddings)
+        labels = offset + tf.range(tf.shape(caption_embeddings)[0])
+        to_images = tf.matmul(caption_embeddings, all_images, transpose_b=True)
+        to_captions = tf.matmul(image_embeddings, all_captions, transpose_b=True)
+        cross_entropy = keras.losses.sparse_categorical_crossentropy
+        return (
+            cross_entropy(labels, to_images / self.temperature, from_logits=True)
+            + cross_entropy(labels, to_captions / self.temperature, from_logits=True)
+        ) / 2
+
+
+class ReducedDualEncoder(DualEncoder):
+    """The same loss (keras-io's, or CLIP's local one with ``local``) as Keras's
+    ``compute_loss`` override returning its sum or its mean, trained by Keras's own
+    ``train_step``."""
+
+    def __init__(self, gather: bool, reduce: str, local: bool = False, **kwargs: Any) -> None:
         super().__init__(gather, **kwargs)
-        self.reduce = reduce
+        self.reduce, self.local = reduce, local
 
     @property
     def metrics(self) -> list[Any]:
@@ -106,7 +126,8 @@ class ReducedDualEncoder(DualEncoder):
         self, x: Any = None, y: Any = None, y_pred: Any = None, sample_weight: Any = None,
         training: bool = True,
     ) -> Any:  # fmt: skip
-        loss = super().compute_loss(*y_pred)
+        own = LocalLossDualEncoder.compute_loss if self.local else DualEncoder.compute_loss
+        loss = own(self, *y_pred)
         return keras.ops.sum(loss) if self.reduce == "sum" else keras.ops.mean(loss)
 
     def train_step(self, features: Any) -> Any:
@@ -124,33 +145,43 @@ def _features() -> dict[str, np.ndarray]:
     }
 
 
-def _model(gather: bool, reduce: str | None = None, **compile_args: Any) -> DualEncoder:
-    model = DualEncoder(gather) if reduce is None else ReducedDualEncoder(gather, reduce)
+def _model(
+    gather: bool, reduce: str | None = None, local: bool = False, **compile_args: Any
+) -> DualEncoder:
+    if reduce is not None:
+        model: DualEncoder = ReducedDualEncoder(gather, reduce, local)
+    else:
+        model = LocalLossDualEncoder(gather) if local else DualEncoder(gather)
     model.compile(optimizer=keras.optimizers.SGD(0.05), **compile_args)
     return model
 
 
-def _fits(gather: bool, reduce: str | None = None) -> tuple[Any, Any, Any, Any]:
+def _fits(gather: bool, reduce: str | None = None, local: bool = False) -> tuple[Any, ...]:
     """One device's fit and tfscale.fit's on 2 replicas, with validation."""
     features = _features()
     fit = {"batch_size": BATCH, "epochs": 2, "shuffle": False, "verbose": 0,
            "validation_data": (features,), "validation_batch_size": BATCH}  # fmt: skip
-    reference = _model(gather, reduce)
+    reference = _model(gather, reduce, local)
     with tf.device("/device:CPU:0"):
         expected = reference.fit(features, **fit)
-    model = _model(gather, reduce)
+    model = _model(gather, reduce, local)
     history = tfscale.fit(model, features, strategy=strategy_for(2), **fit)
     return reference, expected, model, history
 
 
-@pytest.mark.parametrize("reduce", [None, "sum", "mean"], ids=["keras_io", "sum", "mean"])
-def test_a_contrastive_loss_over_gathered_embeddings_is_one_devices(reduce: str | None) -> None:
-    """Each replica compares the whole batch's embeddings: the weights, loss and val_loss
-    are one device's, where the batch of 7 splits 4 + 3 (the gather's gradient weighs each
-    replica by its examples, as tfscale's update does). keras-io's loss vector differentiated
-    as it is, and its sum or mean returned by ``compute_loss`` through Keras's train_step
-    (a sum over gathered rows is every replica's alike: not rescaled as a share's sum)."""
-    reference, expected, model, history = _fits(gather=True, reduce=reduce)
+@pytest.mark.parametrize("local", [False, True], ids=["whole_batch", "local"])
+@pytest.mark.parametrize("reduce", [None, "sum", "mean"], ids=["vector", "sum", "mean"])
+def test_a_contrastive_loss_over_gathered_embeddings_is_one_devices(
+    reduce: str | None, local: bool
+) -> None:
+    """The weights, loss and val_loss are one device's where the batch of 7 splits 4 + 3
+    (the gather's gradient weighs each replica by its examples, as tfscale's update does):
+    keras-io's loss, which each replica computes over the whole gathered batch, and CLIP's
+    local loss of each replica's own examples against the gathered ones; the per-example
+    vector differentiated as it is, and its sum or mean returned by ``compute_loss`` through
+    Keras's train_step (a sum over the gathered batch is every replica's alike and left as
+    it is; a sum over the replica's own examples is a share's, weighed as one)."""
+    reference, expected, model, history = _fits(gather=True, reduce=reduce, local=local)
     assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5
     assert set(history.history) == set(expected.history)
     for key, values in expected.history.items():

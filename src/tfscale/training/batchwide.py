@@ -78,7 +78,8 @@ def _recorded(gathered: Any) -> Any:
 
 def derives_from_gathered(tensor: Any) -> bool:
     """Whether ``tensor`` (traced in this thread) is computed from rows this module gathered
-    over the replicas: then it holds the whole batch's values, not the replica's share's."""
+    over the replicas: then it may hold the whole batch's values rather than the replica's
+    share's (``Prepared.compute_loss`` tells them apart by their rows)."""
     ops = getattr(_LOCAL, "ops", None)
     if not ops or getattr(tensor, "op", None) is None:
         return False
@@ -107,9 +108,14 @@ def gather_rows(value: Any) -> Any:
 def gather_rows_weighted(value: Any, examples: Any) -> Any:
     """``value``'s rows of every replica, in replica order, with the gradient of tfscale's
     example-weighted update (module doc); ``examples``: this replica's example count."""
+    return _gathered_weighted(value, examples)[0]
+
+
+def _gathered_weighted(value: Any, examples: Any) -> tuple[Any, Any]:
+    """:func:`gather_rows_weighted`'s rows, and where this replica's own begin in them."""
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
-        return value
+        return value, tf.constant(0)
     _refuse_in_compiled_step()
     rows = tf.shape(value)[0]
     counts = _gather(context, tf.reshape(rows, [1]))
@@ -126,7 +132,7 @@ def gather_rows_weighted(value: Any, examples: Any) -> Any:
 
         return _gather(context, mine), backward
 
-    return _recorded(gathered(value))
+    return _recorded(gathered(value)), first
 
 
 @contextlib.contextmanager
@@ -150,7 +156,7 @@ def load_balancing_over_the_batch(model: Any, examples: Any) -> Iterator[None]:
         raise no_load_balancing_loss(model)
 
 
-def gather_batch(value: Any) -> Any:
+def gather_batch(value: Any, *, return_offset: bool = False) -> Any:
     """``value``'s rows for the whole global batch: every replica's, in replica order.
 
     Call it inside a model's ``call``, ``train_step`` or ``compute_loss`` where a loss needs
@@ -163,13 +169,21 @@ def gather_batch(value: Any) -> Any:
     strategy, one replica, Keras building the model) it returns ``value``; in tfscale's test
     step it gathers without a gradient.
 
+    A loss may also compare only the replica's own examples with the gathered ones (CLIP's
+    "local" loss: ``n x B`` similarities per replica instead of ``B x B``): with
+    ``return_offset=True`` it also returns where this replica's rows begin in the gathered
+    tensor, so that example i's positive is row ``offset + i``. Such a loss holds the
+    replica's share of the batch, as any other, and is weighed as one.
+
     Args:
         value: A tensor whose first dimension holds this replica's rows (its share of the
             batch's examples, or anything per example); the rows of the replicas may differ
             in number (an uneven split).
+        return_offset: Also return the index of this replica's first row in the result.
 
     Returns:
-        A tensor of every replica's rows of ``value``, concatenated in replica order.
+        A tensor of every replica's rows of ``value``, concatenated in replica order; with
+        ``return_offset``, the pair of it and that index (an int32 scalar tensor).
 
     Raises:
         TrainingError: Called under a strategy outside a step of a model trained by
@@ -179,13 +193,14 @@ def gather_batch(value: Any) -> Any:
     """
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
-        return value
+        return (value, tf.constant(0)) if return_offset else value
     value = tf.convert_to_tensor(value)
     examples = current_example_count()
+    if examples is None and internals.per_replica_losses_active():
+        examples = tf.constant(1.0)  # tfscale's test step: no gradient is taken
     if examples is not None:
-        return gather_rows_weighted(value, examples)
-    if internals.per_replica_losses_active():  # tfscale's test step: no gradient taken
-        return gather_rows(value)
+        gathered, offset = _gathered_weighted(value, examples)
+        return (gathered, offset) if return_offset else gathered
     raise TrainingError(
         explain(
             "tfscale.gather_batch was called in a replica's step that tfscale did not trace: "

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -349,9 +349,7 @@ _WALK_LIMIT = 64
 _ANCESTRY_LIMIT = 20_000
 
 
-def sums_over_examples(
-    loss: Any, data: Any, whole_batch: Callable[[Any], bool] | None = None
-) -> list[tuple[Any, float]]:
+def sums_over_examples(loss: Any, data: Any) -> list[tuple[Any, float]]:
     """The terms of ``loss`` that sum over the replica's examples, each with the constant
     the loss multiplies it by.
 
@@ -371,9 +369,7 @@ def sums_over_examples(
     ``tf.reduce_mean``, a Keras ``Loss`` object's result, a sum divided by a count the step
     computes) is a mean, as before. Keras's own ``compute_loss`` sums each ``add_loss`` value
     (``_aggregate_additional_loss``): a layer's ``add_loss`` of per-example losses (keras-io's
-    captcha OCR ``CTCLayer``) is such a sum, and is found the same way. A sum of a tensor
-    ``whole_batch`` says holds the whole batch's values (computed from rows gathered over the
-    replicas, ``tfscale.gather_batch``) is every replica's alike, one device's sum: left.
+    captcha OCR ``CTCLayer``) is such a sum, and is found the same way.
     """
     if getattr(loss, "op", None) is None or loss.shape.rank != 0:
         return []  # eager, or not a scalar
@@ -382,8 +378,6 @@ def sums_over_examples(
         return []
     found: list[tuple[Any, float]] = []
     _collect_sums(loss, 1.0, flat, found, 0, scaled=_batch_size(flat) is None)
-    if whole_batch is not None:
-        found = [(summed, factor) for summed, factor in found if not whole_batch(summed)]
     return found
 
 

@@ -257,13 +257,11 @@ class Prepared:
             # Unreduced (a compiled Loss with reduction=None): its gradient is the sum over
             # the replica's examples, one device's the batch's sum (as reduction="sum").
             # Keras's loss tracker averages its elements: their values stay as they are.
-            # Computed from gathered rows (tfscale.gather_batch), it is the whole batch's
-            # already, on every replica alike: left as it is.
-            scaled = loss if derives_from_gathered(loss) else internals.as_batch_sum(loss)
+            scaled = _share_made_the_batchs(loss, loss, x)
             if scaled is not loss:  # in tfscale's step (a custom loop reads the vector itself)
                 loss = tf.stop_gradient(loss) + (scaled - tf.stop_gradient(scaled))
         else:
-            loss = _sums_made_the_batchs(loss, (x, y, sample_weight))
+            loss = _sums_made_the_batchs(loss, (x, y, sample_weight), x)
         guarded = tf.where(example_count((x,)) > 0, loss, tf.zeros_like(loss))
         # A custom loop over the prepared model reads its loss's kind through this (loop.py).
         conventions.record_scaled(guarded, loss)
@@ -450,17 +448,34 @@ def _loss_data(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any,
     return given.get("x"), given.get("y"), given.get("sample_weight")
 
 
-def _sums_made_the_batchs(loss: Any, data: Any) -> Any:
+def _sums_made_the_batchs(loss: Any, data: Any, x: Any) -> Any:
     """``loss``, the scalar ``compute_loss`` returned, with each of its terms that sums over
     the replica's examples (``conventions.sums_over_examples``: a ``compute_loss`` override's
     ``keras.ops.sum``, Keras's own sum of an ``add_loss`` of per-example values) made the
     batch's sum as tfscale weighs it (``internals.as_batch_sum``): the gradient and the
     reported loss are one device's, as for a compiled ``Loss`` with ``reduction="sum"``.
     Other terms stay per-replica means."""
-    for summed, factor in conventions.sums_over_examples(loss, data, derives_from_gathered):
-        summed = tf.cast(summed, loss.dtype)
-        scaled = internals.as_batch_sum(summed)
+    for found, factor in conventions.sums_over_examples(loss, data):
+        summed = tf.cast(found, loss.dtype)
+        scaled = _share_made_the_batchs(summed, found.op.inputs[0], x)  # found: a Sum
         if scaled is summed:
             return loss  # outside tfscale's step (a custom loop reads the loss itself)
         loss = loss + tf.cast(factor, loss.dtype) * (scaled - summed)
     return loss
+
+
+def _share_made_the_batchs(value: Any, rows: Any, x: Any) -> Any:
+    """``internals.as_batch_sum(value)``: ``value``, a sum over ``rows`` (a tensor holding
+    values per example), made the batch's as tfscale weighs it; ``value`` itself outside
+    tfscale's step.
+
+    Rows computed from rows gathered over the replicas (``tfscale.gather_batch``) may be
+    the whole batch's, every replica's alike, whose sum is one device's already: those are
+    left as they are where they are not as many as the replica's examples (a loss over
+    the gathered batch), and made the batch's where they are (a replica's own examples
+    compared with the gathered ones, CLIP's local loss)."""
+    scaled = internals.as_batch_sum(value)
+    if scaled is value or not derives_from_gathered(rows):
+        return scaled
+    share = tf.equal(tf.cast(tf.shape(rows)[0], tf.float32), example_count((x,)))
+    return tf.where(share, scaled, value)
