@@ -500,3 +500,73 @@ def test_a_gradient_clipped_in_each_replica_is_refused_and_the_optimizers_clip_i
     got, optimizer = _clipping_loop(strategy_for(2), None, prepare=True)
     assert _per_variable(got, expected) <= TOLERANCE
     assert int(optimizer.iterations.numpy()) == 4
+
+
+class _Penalty(keras.layers.Layer):  # type: ignore[misc]
+    def call(self, inputs: Any) -> Any:
+        self.add_loss(0.5 * keras.ops.mean(keras.ops.square(inputs)))
+        return inputs
+
+
+def _penalized_batchnorm(synchronized: bool) -> keras.Model:
+    keras.utils.set_random_seed(2)
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, use_bias=False),
+            _Penalty(),
+            keras.layers.BatchNormalization(synchronized=synchronized),
+            _Penalty(),
+            keras.layers.Dense(1),
+        ]
+    )
+
+
+def _penalized_loop() -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """TensorFlow's tutorial loop (``compute_average_loss`` and
+    ``scale_regularization_loss`` of the model's added losses) over a model with a penalty
+    before and after a synchronized BatchNormalization, prepared; and one device's loop."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 6)).astype("float32")
+    y = rng.normal(size=(32, 1)).astype("float32")
+    batch = 16
+    reference, optimizer = _penalized_batchnorm(False), keras.optimizers.SGD(0.1)
+    for start in range(0, len(x), batch):
+        with tf.GradientTape() as tape:
+            predicted = reference(x[start : start + batch], training=True)
+            loss = tf.reduce_mean(tf.square(y[start : start + batch] - predicted))
+            loss += tf.add_n(reference.losses)
+        variables = reference.trainable_variables
+        optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables, strict=True))
+
+    strategy = strategy_for(2)
+    with strategy.scope():
+        model, optimizer = _penalized_batchnorm(True), keras.optimizers.SGD(0.1)
+    tfscale.prepare_loop(model, optimizer, strategy=strategy)
+
+    def replica_step(x: Any, y: Any) -> None:
+        with tf.GradientTape() as tape:
+            per_example = tf.reduce_mean(tf.square(y - model(x, training=True)), axis=-1)
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=batch)
+            loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
+        variables = model.trainable_variables
+        optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables, strict=True))
+
+    @tf.function
+    def step(x: Any, y: Any) -> None:
+        strategy.run(replica_step, args=(x, y))
+
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+    for x_batch, y_batch in strategy.experimental_distribute_dataset(dataset):
+        step(x_batch, y_batch)
+    return model.get_weights(), reference.get_weights()
+
+
+def test_added_losses_stay_each_replicas_own_in_a_prepared_loop() -> None:
+    """The replica threads of the user's ``strategy.run`` share each layer's added losses:
+    the synchronized BatchNormalization's all-reduce lets one replica clear the penalty the
+    other added before it, whose gradient is then lost (2e-2 from one device's weights,
+    under TensorFlow alone too: not asserted here, where other tests' prepared loops may
+    still be alive). While a prepared loop lives each thread keeps its own."""
+    got, want = _penalized_loop()
+    assert _per_variable(got, want) <= TOLERANCE

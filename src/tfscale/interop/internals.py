@@ -64,6 +64,7 @@ __all__ = [
     "load_balancing_modules",
     "load_balancing_over_the_batch",
     "losses_per_replica",
+    "losses_per_thread",
     "model_strategy",
     "nadam_momentum_product",
     "node_key",
@@ -586,6 +587,18 @@ def autocast(dtype: Any) -> Any:
 _REPLICA_LOSSES: contextvars.ContextVar[dict[int, list[Any]] | None] = contextvars.ContextVar(
     "tfscale_replica_losses", default=None
 )
+# While ``losses_per_thread`` is held (a prepared custom loop lives): each thread's own.
+_THREAD_LOSSES = threading.local()
+_THREAD_HOLDS = [0]
+
+
+def _own_list() -> dict[int, list[Any]] | None:
+    own = _REPLICA_LOSSES.get()
+    if own is None and _THREAD_HOLDS[0] > 0:
+        own = getattr(_THREAD_LOSSES, "losses", None)
+        if own is None:
+            own = _THREAD_LOSSES.losses = {}
+    return own
 
 
 def per_replica_losses_active() -> bool:
@@ -603,7 +616,7 @@ def _in_stateless_scope() -> bool:
 def _add_loss_switch(keras: Callable[..., Any]) -> Callable[..., Any]:
     def switched(self: Any, loss: Any) -> Any:
         keras(self, loss)
-        own = _REPLICA_LOSSES.get()
+        own = _own_list()
         if own is not None and not _in_stateless_scope():
             import keras as keras_module
 
@@ -614,7 +627,7 @@ def _add_loss_switch(keras: Callable[..., Any]) -> Callable[..., Any]:
 
 def _own_losses_switch(keras: Callable[..., Any]) -> Callable[..., Any]:
     def switched(self: Any) -> Any:
-        own = _REPLICA_LOSSES.get()
+        own = _own_list()
         if own is None or _in_stateless_scope():
             return keras(self)
         return list(own.get(id(self), ()))
@@ -625,7 +638,7 @@ def _own_losses_switch(keras: Callable[..., Any]) -> Callable[..., Any]:
 def _clear_losses_switch(keras: Callable[..., Any]) -> Callable[..., Any]:
     def switched(self: Any) -> Any:
         keras(self)  # clears the sub-layers through this switch too (their class's method)
-        own = _REPLICA_LOSSES.get()
+        own = _own_list()
         if own is not None:
             own.pop(id(self), None)
 
@@ -648,8 +661,13 @@ def losses_per_replica() -> Iterator[None]:
     does both). While this is active, ``add_loss``, a layer's own losses and their clearing
     read and write a list of this thread's.
     """
+    with _switched(_REPLICA_LOSSES, {}, _install_losses_switches()):
+        yield
+
+
+def _install_losses_switches() -> list[Callable[[], None]]:
     layer = keras_layer_class()
-    releases = [
+    return [
         registry.install("replica-losses", layer, name, switch)
         for name, switch in (
             ("add_loss", _add_loss_switch),
@@ -657,8 +675,30 @@ def losses_per_replica() -> Iterator[None]:
             ("_clear_losses", _clear_losses_switch),
         )
     ]
-    with _switched(_REPLICA_LOSSES, {}, releases):
-        yield
+
+
+def losses_per_thread() -> Callable[[], None]:
+    """Makes every thread's added losses its own (as :func:`losses_per_replica` does in
+    tfscale's step) until the returned release is called: held while a prepared custom loop
+    lives, whose replicas run in threads tfscale does not start (the user's
+    ``strategy.run``). A penalty before a synchronized BatchNormalization was cleared by the
+    other replica there too (2e-2 from one device's weights, under TensorFlow alone as well).
+    In a single thread nothing changes: its losses are its own either way."""
+    releases = _install_losses_switches()
+    with _WATCH_LOCK:
+        _THREAD_HOLDS[0] += 1
+    released = [False]
+
+    def release() -> None:
+        with _WATCH_LOCK:
+            if released[0]:
+                return
+            released[0] = True
+            _THREAD_HOLDS[0] -= 1
+        for each in releases:
+            each()
+
+    return release
 
 
 def keras_layer_class() -> Any:

@@ -318,13 +318,15 @@ def register_loop(model: Any, update: DistributedUpdate, loss: Declared = "auto"
         # A second preparation of the same optimizer replaces the first's state.
         _LOOPS[:] = [ref for ref in _LOOPS if getattr(ref(), "update", update) is not update]
         _LOOPS.append(weakref.ref(state))
-    # The watches on the tape and the loss reductions, and the turns of the loop's input and
-    # steps on the strategy's devices (turns.py), are held while this loop lives: once no
-    # prepared loop is left, TensorFlow's and Keras's own functions are back in place.
+    # The watches on the tape and the loss reductions, the turns of the loop's input and
+    # steps on the strategy's devices (turns.py) and each replica thread's own added losses
+    # are held while this loop lives: once no prepared loop is left, TensorFlow's and Keras's
+    # own functions are back in place.
     releases = [
         internals.watch_gradient_targets(_on_gradient),
         internals.watch_loss_reductions(conventions.on_reduction),
         turns.take_turns(),
+        internals.losses_per_thread(),
     ]
     weakref.finalize(state, _release_all, releases)
     return state
