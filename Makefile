@@ -90,7 +90,8 @@ test: venv
 # private name and per-instance override tfscale relies on (test_internals), the declared
 # bounds (test_versions), a model trained or loaded outside the scope moved in with its
 # optimizer's tables (test_adopt), several steps per call (Keras's callback hooks and loop), the
-# release of every iterator a fit makes (Keras's epoch iterator, validation's), and a
+# release of every iterator a fit makes (Keras's epoch iterator, validation's), the gather
+# over the whole batch (test_batchwide: compute_loss overrides, tf.custom_gradient), and a
 # share of the equivalence, XLA and parity suites chosen for the version-sensitive paths
 # (metrics over replicas, the symbolic build, compute_loss, the optimizer update, loss
 # scaling, accumulation, XLA, recurrent and attention models). All of
@@ -104,7 +105,7 @@ LOWEST := tensorflow-cpu==2.16.2 keras==3.10.0
 PARITY := tests/training/test_parity.py::test_tfscale_fit_matches_one_device_model_fit
 EXAMPLES := tests/training/test_parity_examples.py::test_tfscale_fit_matches_one_device_model_fit
 LOWEST_TESTS := tests/interop/test_internals.py tests/test_versions.py tests/training/test_steps_per_call.py \
-	tests/training/test_adopt.py \
+	tests/training/test_adopt.py tests/training/test_batchwide.py \
 	tests/training/test_inputs.py::test_every_iterator_of_a_fit_is_destroyed_off_the_callers_thread \
 	tests/training/test_equivalence.py::test_replicas_give_the_weights_of_one_device \
 	tests/training/test_equivalence.py::test_exactly_one_gradient_all_reduce_per_update_with_k_4 \
@@ -135,13 +136,15 @@ test-lowest:
 # resolution, and the check line below fails where a `keras` release is in the virtualenv all
 # the same (an older one of this tier: remove $(NEXT_VENV)). TensorFlow comes from the pin, not
 # the `cpu` extra, whose cap would refuse a pre-release past it. What runs there is what an
-# upgrade breaks first: the private names and per-instance overrides (test_internals) and the
-# whole parity and equivalence suites. Like test-lowest, the virtualenv lives outside the clone
+# upgrade breaks first: the private names and per-instance overrides (test_internals), the
+# whole parity and equivalence suites and the gather over the whole batch (test_batchwide).
+# Like test-lowest, the virtualenv lives outside the clone
 # and the tests import this clone's src first.
 NEXT_VENV ?= $(HOME)/.cache/tfscale/venv-next
 NEXT := tensorflow-cpu==2.22.0rc0 keras-nightly==3.16.0.dev2026102704
 NEXT_TESTS := tests/interop/test_internals.py tests/training/test_parity.py \
-	tests/training/test_parity_examples.py tests/training/test_equivalence.py
+	tests/training/test_parity_examples.py tests/training/test_equivalence.py \
+	tests/training/test_batchwide.py
 
 test-next:
 	test -x $(NEXT_VENV)/bin/python || $(PYTHON) -m venv $(NEXT_VENV)

@@ -441,7 +441,6 @@ def no_load_balancing_loss(model: Any) -> TrainingError:
             allowed="a model with KerasHub's Mixtral, QwenMoe, Qwen3Moe or Qwen3.5-MoE "
             "layers (keras_hub.models.MixtralBackbone, ...)",
             fix="drop global_load_balancing; for a mixture-of-experts layer of your own, "
-            "compute its batch statistics over tf.distribute.get_replica_context()"
-            ".all_gather(...) of its router logits.",
+            "compute its load-balancing loss from tfscale.gather_batch(router_logits).",
         )
     )
