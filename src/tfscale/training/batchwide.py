@@ -30,6 +30,7 @@ import tensorflow as tf
 from tfscale.errors import TrainingError, explain
 from tfscale.interop import internals
 from tfscale.training.checks import no_load_balancing_loss
+from tfscale.training.conventions import computed_from
 from tfscale.training.optimizer import current_example_count
 from tfscale.training.xla import in_compiled_step
 
@@ -41,8 +42,6 @@ _CARRIED = {"bool": tf.int32}  # the gather collective takes numbers only
 # in one): a loss computed from them holds the whole batch's values on every replica, which
 # the corrections for a replica's sums over its share must leave alone (derives_from_gathered).
 _LOCAL = threading.local()
-# Ops a loss's ancestry is searched through at most (a transformer's loss has a few thousand).
-_ANCESTRY_LIMIT = 20000
 
 
 def _refuse_in_compiled_step() -> None:
@@ -83,17 +82,7 @@ def derives_from_gathered(tensor: Any) -> bool:
     ops = getattr(_LOCAL, "ops", None)
     if not ops or getattr(tensor, "op", None) is None:
         return False
-    seen: set[int] = set()
-    stack = [tensor.op]
-    while stack and len(seen) < _ANCESTRY_LIMIT:
-        op = stack.pop()
-        if op in ops:
-            return True
-        if id(op) in seen:
-            continue
-        seen.add(id(op))
-        stack.extend(value.op for value in op.inputs)
-    return False
+    return computed_from(tensor, ops.__contains__)
 
 
 def gather_rows(value: Any) -> Any:

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -59,6 +59,7 @@ __all__ = [
     "Term",
     "Weighting",
     "classify",
+    "computed_from",
     "forget_recorded",
     "on_reduction",
     "record_reduction",
@@ -464,11 +465,17 @@ def _over_examples(summed: Any, data: list[Any]) -> bool:
 
 def _computed_from(tensor: Any, data: list[Any]) -> bool:
     wanted = {id(t.op) for t in data}
+    return computed_from(tensor, lambda op: id(op) in wanted)
+
+
+def computed_from(tensor: Any, source: Callable[[Any], bool]) -> bool:
+    """Whether an op ``source`` picks is among the ops ``tensor`` is computed from (itself
+    included), searched through at most ``_ANCESTRY_LIMIT`` ops."""
     seen: set[int] = set()
     stack = [tensor.op]
     while stack and len(seen) < _ANCESTRY_LIMIT:
         op = stack.pop()
-        if id(op) in wanted:
+        if source(op):
             return True
         if id(op) in seen:
             continue
