@@ -583,8 +583,10 @@ def autocast(dtype: Any) -> Any:
 
 # -- Keras layers' added losses ------------------------------------------------------------
 # While ``losses_per_replica`` is entered in this thread: each layer's losses added in it
-# (``add_loss``), by ``id`` of the layer.
-_REPLICA_LOSSES: contextvars.ContextVar[dict[int, list[Any]] | None] = contextvars.ContextVar(
+# (``add_loss``), by layer (weakly: a layer gone takes its entry along, and a new one never
+# meets the entry of a gone one with its id, in a thread that outlives both).
+_Own = weakref.WeakKeyDictionary  # layer -> its losses added in this thread
+_REPLICA_LOSSES: contextvars.ContextVar[_Own[Any, list[Any]] | None] = contextvars.ContextVar(
     "tfscale_replica_losses", default=None
 )
 # While ``losses_per_thread`` is held (a prepared custom loop lives): each thread's own.
@@ -592,12 +594,12 @@ _THREAD_LOSSES = threading.local()
 _THREAD_HOLDS = [0]
 
 
-def _own_list() -> dict[int, list[Any]] | None:
+def _own_list() -> _Own[Any, list[Any]] | None:
     own = _REPLICA_LOSSES.get()
     if own is None and _THREAD_HOLDS[0] > 0:
         own = getattr(_THREAD_LOSSES, "losses", None)
         if own is None:
-            own = _THREAD_LOSSES.losses = {}
+            own = _THREAD_LOSSES.losses = weakref.WeakKeyDictionary()
     return own
 
 
@@ -620,7 +622,7 @@ def _add_loss_switch(keras: Callable[..., Any]) -> Callable[..., Any]:
         if own is not None and not _in_stateless_scope():
             import keras as keras_module
 
-            own.setdefault(id(self), []).extend(keras_module.tree.flatten(loss))
+            own.setdefault(self, []).extend(keras_module.tree.flatten(loss))
 
     return switched
 
@@ -630,7 +632,7 @@ def _own_losses_switch(keras: Callable[..., Any]) -> Callable[..., Any]:
         own = _own_list()
         if own is None or _in_stateless_scope():
             return keras(self)
-        return list(own.get(id(self), ()))
+        return list(own.get(self, ()))
 
     return switched
 
@@ -640,7 +642,7 @@ def _clear_losses_switch(keras: Callable[..., Any]) -> Callable[..., Any]:
         keras(self)  # clears the sub-layers through this switch too (their class's method)
         own = _own_list()
         if own is not None:
-            own.pop(id(self), None)
+            own.pop(self, None)
 
     return switched
 
@@ -661,7 +663,7 @@ def losses_per_replica() -> Iterator[None]:
     does both). While this is active, ``add_loss``, a layer's own losses and their clearing
     read and write a list of this thread's.
     """
-    with _switched(_REPLICA_LOSSES, {}, _install_losses_switches()):
+    with _switched(_REPLICA_LOSSES, weakref.WeakKeyDictionary(), _install_losses_switches()):
         yield
 
 
