@@ -18,7 +18,7 @@ import pytest
 import tensorflow as tf
 
 import tfscale
-from tfscale.testing import relative_difference
+from tfscale.testing import graphs_left_alive, relative_difference
 
 from .helpers import strategy_for
 
@@ -210,3 +210,19 @@ def test_gather_batch_is_refused_outside_tfscales_step_and_under_xla() -> None:
     assert int(model.optimizer.iterations.numpy()) == 0
     one = tf.constant([[1.0, 2.0]])
     assert tfscale.gather_batch(one) is one  # no strategy: the value itself
+
+
+def test_nothing_a_fit_that_gathers_traced_outlives_it() -> None:
+    """The gather's ``tf.custom_gradient`` registers its gradient function in TensorFlow's
+    process-wide registry, which would keep the step alive (tensorflow/tensorflow#97697);
+    it is released with the step's others (``internals.gradient_functions_released``)."""
+    features = _features()
+
+    def fit() -> None:
+        model = _model(gather=True, reduce="mean", local=True)
+        tfscale.fit(model, features, batch_size=BATCH, epochs=1, verbose=0,
+                    strategy=strategy_for(2))  # fmt: skip
+
+    traced, alive = graphs_left_alive(fit)
+    assert len(traced) > 5 and any("one_step" in name for name in traced), traced
+    assert not alive, f"graphs of a finished fit still alive: {alive}"
