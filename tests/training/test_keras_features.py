@@ -225,8 +225,9 @@ def test_compile_options_jit_compile_and_steps_per_execution_are_honoured() -> N
     assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5
     assert int(model.optimizer.iterations.numpy()) == 6
     # Batch hooks once per execution, numbered as model.fit numbers them (both runs fed the
-    # same callback): 6 steps in calls of 3.
-    assert batches.ends == [2, 5, 2, 5]
+    # same callback): 6 steps in calls of 3, [2, 5] (Keras 3.10 numbers them [0, 3]).
+    assert len(batches.ends) == 4 and batches.ends[2:] == batches.ends[:2]
+    assert batches.ends[:2] in ([2, 5], [0, 3])
     assert model.train_function.options.jit_compile
     function = model.train_function._multi.get_concrete_function(
         iter(strategy_for(2).experimental_distribute_dataset(tf.data.Dataset.from_tensors((x, y)))),
