@@ -132,3 +132,71 @@ def test_float16_backward_pass_under_a_dynamic_loss_scale_carries_one_devices_ma
     assert scales[0] == scales[1] and scales[0] < 32768.0, scales  # it did overflow, alike
     assert updates[0] == updates[1], updates
     assert relative_difference(two.get_weights(), one.get_weights()) <= 2e-2
+
+
+# -- float8 training (Keras's model.quantize("float8")) ---------------------------------------
+def _float8_model(accumulated: bool = False, clip: float | None = None) -> keras.Model:
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential(
+        [keras.Input((16,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(4)]
+    )
+    model.quantize("float8")
+    optimizer = keras.optimizers.SGD(
+        0.1, global_clipnorm=clip, gradient_accumulation_steps=2 if accumulated else None
+    )
+    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _float8_state(model: keras.Model) -> list[tuple[str, np.ndarray]]:
+    """Each float8 layer's scales and amax histories, which Keras overwrites every step, by
+    their variable's name (the layers' and the model's names differ between two models)."""
+    return [(v.name, v.numpy()) for v in model.weights if "scale" in v.name or "amax" in v.name]
+
+
+@pytest.mark.parametrize(("batch", "clip"), [(16, None), (15, None), (16, 0.5)],
+                         ids=["even", "uneven", "global_clipnorm"])  # fmt: skip
+def test_float8_training_on_2_replicas_is_one_device_over_the_2_shares(
+    batch: int, clip: float | None
+) -> None:
+    """A float8 layer quantizes with scales from the amax histories it writes each step
+    (Keras's ``overwrite_with_gradient``). Each replica's amax is its share's: they are
+    combined by their maximum, as Keras combines accumulated steps, and each replica's
+    backward pass carries one device's magnitudes (its loss divided by the batch's examples
+    over its own, weighed back), so its gradients' amax is one device's too. Before, each
+    replica's copy of the variables kept its own history and the gradients' histories were
+    N times one device's: the weights ended 2e-2 from one device's (as under Keras's own
+    fit), and the scales and histories up to 2x.
+
+    One device over the whole batch is not the exact reference here: Keras's float8 Dense
+    rounds the bias gradient to bfloat16, so a sum of shares rounds otherwise than the
+    batch's, and a float8 rounding that flips amplifies it (one device accumulating the 2
+    halves, Keras's ``gradient_accumulation_steps=2``, ends 2.5e-3 from its own full-batch
+    fit, 7.9e-2 with ``global_clipnorm``). On 2 even shares the weights are exactly that
+    accumulating device's; the scales and histories are the full batch's."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 16)).astype("float32")
+    y = rng.integers(0, 4, size=(64,)).astype("int32")
+    fit = {"epochs": 2, "shuffle": False, "verbose": 0}
+    model = _float8_model()
+    tfscale.fit(model, x, y, batch_size=batch, strategy=strategy_for(2), global_clipnorm=clip,
+                **fit)  # fmt: skip
+    if batch % 2 == 0:
+        # Keras's accumulation quantizes each half-batch's mean, whose gradients (and their
+        # amax) are twice the batch's: only the weights compare.
+        accumulated = _float8_model(accumulated=True, clip=clip)
+        accumulated.fit(x, y, batch_size=batch // 2, **fit)
+        assert relative_difference(_kernels(model), _kernels(accumulated)) <= 1e-6
+    if clip is None:
+        reference = _float8_model()
+        reference.fit(x, y, batch_size=batch, **fit)
+        state, expected = _float8_state(model), _float8_state(reference)
+        assert len(state) == len(expected) == 12  # 6 a layer
+        for (name, values), (name_expected, values_expected) in zip(state, expected, strict=True):
+            assert name == name_expected
+            assert relative_difference(values, values_expected) <= 1e-4, name
+        assert relative_difference(_kernels(model), _kernels(reference)) <= 5e-3
+
+
+def _kernels(model: keras.Model) -> list[np.ndarray]:
+    return [v.numpy() for v in model.weights if v.name in ("kernel", "bias")]

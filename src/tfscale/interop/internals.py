@@ -36,6 +36,7 @@ __all__ = [
     "autocast_dtype",
     "autograph_origin",
     "backing_variable",
+    "batch_examples_ratio",
     "broadcast_any_initial_value",
     "builtin_all_reduce_replaced",
     "compile_config_objects",
@@ -444,6 +445,10 @@ class BatchTotals(Protocol):
     def examples_ratio(self) -> Any:
         """The batch's examples over this replica's (a scalar tensor; 0 where it has none)."""
 
+    def known_examples_ratio(self) -> Any:
+        """:meth:`examples_ratio`, or None where it cannot be made (inside an XLA-compiled
+        step, unless made before it)."""
+
     def total(self, value: Any) -> Any:
         """The sum of a scalar ``value`` over every replica of the step; None where it
         cannot be made (inside an XLA-compiled step)."""
@@ -782,6 +787,14 @@ def _share_of_batch(loss: Any, weights: Any) -> Any:
     if total is None:
         return loss
     return as_batch_sum(loss * tf.math.divide_no_nan(local, tf.cast(total, loss.dtype)))
+
+
+def batch_examples_ratio() -> Any:
+    """The batch's examples over this replica's (a scalar tensor, 0 where it has none) in the
+    step :func:`replica_count_scaling_off` is entered with ``totals`` for; None elsewhere and
+    inside a step compiled with XLA, where no all-reduce can run."""
+    totals = _BATCH_TOTALS.get()
+    return None if totals is None else totals.known_examples_ratio()
 
 
 def as_batch_sum(value: Any) -> Any:

@@ -142,6 +142,11 @@ class _BatchTotals:
         self._refuse_in_compiled_step()
         return self._ratio()
 
+    def known_examples_ratio(self) -> tf.Tensor | None:
+        if self.ratio is not None:
+            return self.ratio
+        return None if in_compiled_step() else self._ratio()
+
     def total(self, value: tf.Tensor) -> tf.Tensor | None:
         return None if in_compiled_step() else _replicas_sum(value)
 

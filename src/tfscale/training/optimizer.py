@@ -229,9 +229,8 @@ class DistributedUpdate:
             self._micro_batches = self._local_counter("micro_batches", tf.int64)
             self._count = self._sum_variable(tf.zeros((), tf.float32), "count_accum")
         registry.replace("optimizer-apply", optimizer, "apply", self.apply)
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            self._original_scale_loss = type(optimizer).scale_loss.__get__(optimizer)
-            registry.replace("optimizer-apply", optimizer, "scale_loss", self.scale_loss)
+        self._original_scale_loss = type(optimizer).scale_loss.__get__(optimizer)
+        registry.replace("optimizer-apply", optimizer, "scale_loss", self.scale_loss)
         self._own_all_reduce_off()
 
     def shard_state(self) -> None:
@@ -317,27 +316,51 @@ class DistributedUpdate:
 
     # -- apply ---------------------------------------------------------------------------
     def scale_loss(self, loss: Any) -> Any:
-        """``LossScaleOptimizer.scale_loss`` in a tfscale step over N replicas: the scaled
-        per-replica mean divided by N.
+        """The optimizer's ``scale_loss`` (Keras's ``train_step`` calls it on every loss; a
+        ``LossScaleOptimizer`` scales there) in a tfscale step over N replicas: for a loss
+        scale or a float8 model, the scaled per-replica mean divided by N.
 
         Each replica's loss is the mean over its own B/N examples (tfscale weighs replicas by
-        example count after the backward pass), so its float16 backward pass would carry N
-        times the values one device's does over B examples, and overflow the dynamic scale
-        where one device does not. Divided by N it carries one device's magnitudes (exactly,
+        example count after the backward pass), so its backward pass would carry N times the
+        values one device's does over B examples: in float16 it would overflow the dynamic
+        scale where one device does not, and a float8 layer would quantize other gradients
+        than one device's (their amax history N times one device's, the values below
+        float8's range different). Divided by N it carries one device's magnitudes (exactly,
         for an even split); ``apply`` weighs the gradients back (``loss_share``).
         """
         scaled = self._original_scale_loss(loss)
         step = _current()
         context = tf.distribute.get_replica_context()
-        if step is None and self.loop_step is not None:
+        if step is None and self.loop_step is not None and scaled is not loss:
             record_scaled(scaled, loss)  # a custom loop: its convention is the loss's
         if step is None or step.count is None or context is None:
+            return scaled
+        if not self._magnitudes_matter():
             return scaled
         replicas = context.num_replicas_in_sync
         if replicas == 1:
             return scaled
-        step.loss_share = replicas
-        return scaled / tf.cast(replicas, scaled.dtype)
+        ratio = None
+        if not isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            # float8: divided by the batch's examples over the replica's, one device's
+            # magnitudes on an uneven split too (the amax is a maximum: an N-th is not).
+            ratio = internals.batch_examples_ratio()
+        if ratio is None:
+            step.loss_share = replicas
+            return scaled / tf.cast(replicas, scaled.dtype)
+        step.weight = step.count * tf.cast(ratio, tf.float32)
+        return scaled * tf.math.divide_no_nan(
+            tf.ones((), scaled.dtype), tf.cast(ratio, scaled.dtype)
+        )
+
+    def _magnitudes_matter(self) -> bool:
+        """Whether the backward pass must carry one device's magnitudes: under a loss scale,
+        or where a layer quantizes its gradients to float8 (its variables Keras overwrites)."""
+        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            return True
+        if not self.optimizer.built:
+            return False
+        return any(_overwritten(v) for v in internals.optimizer_trainable_variables(self.optimizer))
 
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> Any:
         """The optimizer's ``apply`` (see the module docstring)."""
@@ -430,7 +453,9 @@ class DistributedUpdate:
             self.all_reduce_runs.assign_add(1)
         *reduced, total = values
         grads = [
-            weighted[i] if i in kept or g is None else _divided(g, total)
+            _replicas_max(weighted[i], reduce)
+            if i in kept
+            else (None if g is None else _divided(g, total))
             for i, g in enumerate(reduced)
         ]
         self._finish(grads, variables)
@@ -518,7 +543,11 @@ class DistributedUpdate:
             if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
                 # Still scaled by the loss scale here: clip at the scaled norm.
                 threshold = threshold * tf.cast(self.optimizer.dynamic_scale, tf.float32)
-            dense = [i for i, g in enumerate(grads) if g is not None]
+            # A value Keras writes into its variable (float8's scales and amax histories) is
+            # no gradient: left out of the norm and unclipped, as Keras's own apply does.
+            dense = [
+                i for i, g in enumerate(grads) if g is not None and not _overwritten(variables[i])
+            ]
             clipped, _ = tf.clip_by_global_norm([grads[i] for i in dense], threshold)
             for i, g in zip(dense, clipped, strict=True):
                 grads[i] = g
@@ -654,6 +683,26 @@ def _no_outputs(function: Callable[[], Any]) -> Callable[[], None]:
 
 def _overwritten(variable: Any) -> bool:
     return bool(getattr(variable, "overwrite_with_gradient", False))
+
+
+def _replicas_max(value: Any, reduce: bool) -> Any:
+    """The elementwise maximum of ``value`` over the replicas (``value`` where nothing is
+    reduced): what a variable Keras overwrites with its "gradient" gets.
+
+    Keras's float8 layers write their scales and amax histories this way
+    (``overwrite_with_gradient``); each replica's amax is its share's, and one device's is
+    the maximum over the whole batch, the maximum of the replicas'. Keras combines such
+    values over accumulated micro-batches with ``ops.maximum`` too
+    (``_overwrite_variables_directly_with_gradients``). Without it each replica kept its own
+    history in its copy of the variable (a float8 model ended 2e-2 from one device's
+    weights, as under Keras's own fit). tf.distribute has no maximum all-reduce: a gather.
+    """
+    context = tf.distribute.get_replica_context()
+    if value is None or not reduce or context is None or context.num_replicas_in_sync == 1:
+        return value
+    value = tf.convert_to_tensor(value)
+    gathered = internals.all_gather_without_gradient(context, tf.expand_dims(value, 0), 0)
+    return tf.reduce_max(gathered, axis=0)
 
 
 def _weighted_or_kept(gradient: Any, count: tf.Tensor, kept: bool) -> Any:
