@@ -165,8 +165,8 @@ def test_float8_training_on_2_replicas_is_one_device_over_the_2_shares(
     backward pass carries one device's magnitudes (its loss divided by the batch's examples
     over its own, weighed back), so its gradients' amax is one device's too. Before, each
     replica's copy of the variables kept its own history and the gradients' histories were
-    N times one device's: the weights ended 2e-2 from one device's (as under Keras's own
-    fit), and the scales and histories up to 2x.
+    N times one device's: the weights ended up to 0.2 from one device's accumulating fit,
+    and the scales and histories up to 2x.
 
     One device over the whole batch is not the exact reference here: Keras's float8 Dense
     rounds the bias gradient to bfloat16, so a sum of shares rounds otherwise than the

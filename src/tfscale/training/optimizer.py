@@ -694,8 +694,8 @@ def _replicas_max(value: Any, reduce: bool) -> Any:
     the maximum over the whole batch, the maximum of the replicas'. Keras combines such
     values over accumulated micro-batches with ``ops.maximum`` too
     (``_overwrite_variables_directly_with_gradients``). Without it each replica kept its own
-    history in its copy of the variable (a float8 model ended 2e-2 from one device's
-    weights, as under Keras's own fit). tf.distribute has no maximum all-reduce: a gather.
+    history in its copy of the variable (a float8 model's kernels ended 2e-2 from one
+    device's, a bias 0.2). tf.distribute has no maximum all-reduce: a gather.
     """
     context = tf.distribute.get_replica_context()
     if value is None or not reduce or context is None or context.num_replicas_in_sync == 1:
