@@ -97,7 +97,8 @@ INTERCEPTIONS: tuple[Interception, ...] = (
         "object",
         "the distributed update (training/optimizer.py): one all-reduce of count-weighted "
         "gradients, clipping after it, accumulation, finiteness over all replicas; "
-        "LossScaleOptimizer.scale_loss scales the loss with the update's own scale",
+        "scale_loss (which Keras's train_step calls on every loss) gives a loss-scaled or "
+        "float8 model's backward pass one device's magnitudes",
     ),
     Interception(
         "optimizer-all-reduce-off",
