@@ -62,7 +62,7 @@ def main() -> int:
     import tensorflow as tf
 
     import tfscale
-    from tfscale.testing import mirrored_on_cpus, relative_difference
+    from tfscale.testing import mirrored_on_cpus, paired_ratios, relative_difference
 
     strategy = mirrored_on_cpus(2)
     rng = np.random.default_rng(0)
@@ -103,11 +103,9 @@ def main() -> int:
         difference = relative_difference(models[balanced].get_weights(), reference.get_weights())
         median = statistics.median(seconds[balanced])
         print(f"{name:24}{median:>18.3f}{difference:>16.1e}")
-    ratios = [g / p for g, p in zip(seconds[True], seconds[False], strict=True)]
     print(
-        f"global / per-replica epoch time: median {statistics.median(ratios):.2f} "
-        f"(range {min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} pairs); weights after "
-        f"{args.epochs + WARM_UP} epochs"
+        f"global / per-replica epoch time: {paired_ratios(seconds[True], seconds[False])}; "
+        f"weights after {args.epochs + WARM_UP} epochs"
     )
     return 0
 

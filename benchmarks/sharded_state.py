@@ -52,7 +52,7 @@ def main() -> int:
     import numpy as np
 
     import tfscale
-    from tfscale.testing import mirrored_on_cpus, relative_difference
+    from tfscale.testing import mirrored_on_cpus, paired_ratios, relative_difference
     from tfscale.training.sharding import slot_bytes_per_device
 
     strategy = mirrored_on_cpus(2)
@@ -79,10 +79,8 @@ def main() -> int:
         per_device = slot_bytes_per_device(models[shard].optimizer, strategy)
         mib = ", ".join(f"{b / 2**20:.2f}" for _, b in sorted(per_device.items()))
         print(f"{name:12}{mib:>22}{statistics.median(seconds[shard]):>20.3f}")
-    ratios = [s / u for s, u in zip(seconds[True], seconds[False], strict=True)]
     print(
-        f"sharded / unsharded epoch time: median {statistics.median(ratios):.2f} "
-        f"(range {min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} pairs); "
+        f"sharded / unsharded epoch time: {paired_ratios(seconds[True], seconds[False])}; "
         f"weights' relative difference after {args.epochs + 1} epochs: {difference:.1e}"
     )
     return 0

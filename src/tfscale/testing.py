@@ -28,6 +28,7 @@ __all__ = [
     "groups_alive",
     "in_process_parameter_servers",
     "mirrored_on_cpus",
+    "paired_ratios",
     "relative_difference",
     "run_python",
 ]
@@ -96,6 +97,18 @@ def graphs_left_alive(fit: Callable[[], None]) -> tuple[list[str], list[str]]:
     gc.collect()
     alive = sorted(str(getattr(r(), "name", "")) for r in traced if r() is not None)
     return names, alive
+
+
+def paired_ratios(numerators: Sequence[float], denominators: Sequence[float]) -> str:
+    """``"median R (range A-B, N pairs)"`` of the ratios of two sides' timings taken in
+    alternated pairs (the benchmarks' way of reading a ratio on a shared, noisy host)."""
+    import statistics
+
+    ratios = [n / d for n, d in zip(numerators, denominators, strict=True)]
+    return (
+        f"median {statistics.median(ratios):.2f} "
+        f"(range {min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} pairs)"
+    )
 
 
 def relative_difference(a: object, b: object) -> float:
