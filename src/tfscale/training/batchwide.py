@@ -11,10 +11,11 @@ its share (``derives_from_gathered``).
 The gradient is tfscale's, not ``ReplicaContext.all_gather``'s: tfscale's update is
 ``sum_r n_r g_r / sum_r n_r`` (``training/optimizer.py``: each replica's gradient weighed by
 its examples), so the gradient a replica r' sends back through the gather to replica r's
-rows must carry r''s weight, not r's. The backward pass all-reduces ``n_r' * dy_r'`` and
-replica r divides its rows by ``n_r``: the update is then the gradient of
-``sum_r' (n_r' / n) L_r'``, one device's, on uneven splits too (TensorFlow's gather sums
-``dy`` unweighted, right only where every replica holds as many examples).
+rows must carry r''s weight, not r's. The backward pass all-reduces ``w_r' * dy_r'`` and
+replica r divides its rows by ``w_r`` (``w``: each replica's weight in the update,
+``StepContext.update_weight``: its examples, or as ``scale_loss`` made it): the update is
+then the gradient of ``sum_r' (n_r' / n) L_r'``, one device's, on uneven splits too
+(TensorFlow's gather sums ``dy`` unweighted, right only where every replica weighs alike).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from tfscale.errors import TrainingError, explain
 from tfscale.interop import internals
 from tfscale.training.checks import no_load_balancing_loss
 from tfscale.training.conventions import computed_from
-from tfscale.training.optimizer import current_example_count
+from tfscale.training.optimizer import current_update_weight
 from tfscale.training.xla import in_compiled_step
 
 __all__ = ["derives_from_gathered", "gather_batch", "load_balancing_over_the_batch"]
@@ -94,13 +95,13 @@ def gather_rows(value: Any) -> Any:
     return _recorded(_gather(context, value))
 
 
-def gather_rows_weighted(value: Any, examples: Any) -> Any:
+def gather_rows_weighted(value: Any) -> Any:
     """``value``'s rows of every replica, in replica order, with the gradient of tfscale's
-    example-weighted update (module doc); ``examples``: this replica's example count."""
-    return _gathered_weighted(value, examples)[0]
+    weighted update (module doc)."""
+    return _gathered_weighted(value)[0]
 
 
-def _gathered_weighted(value: Any, examples: Any) -> tuple[Any, Any]:
+def _gathered_weighted(value: Any) -> tuple[Any, Any]:
     """:func:`gather_rows_weighted`'s rows, and where this replica's own begin in them."""
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
@@ -109,11 +110,15 @@ def _gathered_weighted(value: Any, examples: Any) -> tuple[Any, Any]:
     rows = tf.shape(value)[0]
     counts = _gather(context, tf.reshape(rows, [1]))
     first = tf.reduce_sum(counts[: context.replica_id_in_sync_group])
-    weight = tf.cast(examples, tf.float32)
 
     @tf.custom_gradient  # released with the step's others (internals.gradient_functions_released)
     def gathered(mine: Any) -> Any:
         def backward(upstream: Any) -> Any:
+            # The replica's weight in the update, read as the backward pass is traced: after
+            # scale_loss, which may change it (a float8 model's loss share). No step in
+            # tfscale's test step, where no gradient is taken.
+            weight = current_update_weight()
+            weight = tf.ones(()) if weight is None else weight
             weighted = tf.cast(upstream, tf.float32) * weight
             (summed,) = internals.all_reduce_without_gradient(context, "sum", [weighted])
             own = tf.math.divide_no_nan(summed[first : first + rows], weight)
@@ -125,10 +130,9 @@ def _gathered_weighted(value: Any, examples: Any) -> tuple[Any, Any]:
 
 
 @contextlib.contextmanager
-def load_balancing_over_the_batch(model: Any, examples: Any) -> Iterator[None]:
+def load_balancing_over_the_batch(model: Any) -> Iterator[None]:
     """KerasHub's load-balancing losses traced in this replica's train step, while active,
-    are the whole batch's (``internals.load_balancing_over_the_batch``); ``examples``: the
-    replica's example count, its weight in the update.
+    are the whole batch's (``internals.load_balancing_over_the_batch``).
 
     Raises:
         TrainingError: No layer of ``model`` computed such a loss in the step.
@@ -137,7 +141,7 @@ def load_balancing_over_the_batch(model: Any, examples: Any) -> Iterator[None]:
 
     def with_gradient(value: Any) -> Any:
         gathered.append(value)
-        return gather_rows_weighted(value, examples)
+        return gather_rows_weighted(value)
 
     with internals.load_balancing_over_the_batch(with_gradient, gather_rows):
         yield
@@ -184,11 +188,9 @@ def gather_batch(value: Any, *, return_offset: bool = False) -> Any:
     if context is None or context.num_replicas_in_sync == 1:
         return (value, tf.constant(0)) if return_offset else value
     value = tf.convert_to_tensor(value)
-    examples = current_example_count()
-    if examples is None and internals.per_replica_losses_active():
-        examples = tf.constant(1.0)  # tfscale's test step: no gradient is taken
-    if examples is not None:
-        gathered, offset = _gathered_weighted(value, examples)
+    # tfscale's train step, or its test step (where no gradient is taken).
+    if current_update_weight() is not None or internals.per_replica_losses_active():
+        gathered, offset = _gathered_weighted(value)
         return (gathered, offset) if return_offset else gathered
     raise TrainingError(
         explain(

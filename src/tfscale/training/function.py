@@ -276,7 +276,7 @@ class StepFunction:
                 step_context(
                     example_count(data), all_reduce=self.all_reduce, options=self.options
                 ) as context,
-                load_balancing_over_the_batch(model, example_count(data))
+                load_balancing_over_the_batch(model)
                 if self.options.global_load_balancing
                 else contextlib.nullcontext(),
             ):

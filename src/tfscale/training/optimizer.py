@@ -60,7 +60,7 @@ from tfscale.training.sharding import ShardedState, install
 __all__ = [
     "DistributedUpdate",
     "StepContext",
-    "current_example_count",
+    "current_update_weight",
     "distributed_update",
     "step_context",
     "step_in_progress",
@@ -95,6 +95,15 @@ class StepContext:
     options: Any = None
     weight: tf.Tensor | None = None
 
+    def update_weight(self, count: tf.Tensor) -> tf.Tensor:
+        """What this replica's gradient is multiplied by before the all-reduce (``count``:
+        its examples): ``weight`` where set, else ``count * loss_share``. Read where the
+        gradient is (``apply``, the whole-batch gather's backward pass: ``batchwide.py``),
+        after ``scale_loss`` may have set it."""
+        if self.weight is not None:
+            return tf.cast(self.weight, tf.float32)
+        return count * float(self.loss_share)
+
 
 _LOCAL = threading.local()
 
@@ -120,11 +129,13 @@ def _current() -> StepContext | None:
     return getattr(_LOCAL, "step", None)
 
 
-def current_example_count() -> tf.Tensor | None:
-    """This replica's example count in the step this thread is tracing (one of tfscale's own
-    replica steps), or None."""
+def current_update_weight() -> tf.Tensor | None:
+    """This replica's weight in the update (:meth:`StepContext.update_weight`) in the step
+    this thread is tracing (one of tfscale's own replica steps), or None."""
     step = _current()
-    return None if step is None else step.count
+    if step is None or step.count is None:
+        return None
+    return step.update_weight(tf.cast(step.count, tf.float32))
 
 
 def step_in_progress() -> bool:
@@ -318,15 +329,16 @@ class DistributedUpdate:
     def scale_loss(self, loss: Any) -> Any:
         """The optimizer's ``scale_loss`` (Keras's ``train_step`` calls it on every loss; a
         ``LossScaleOptimizer`` scales there) in a tfscale step over N replicas: for a loss
-        scale or a float8 model, the scaled per-replica mean divided by N.
+        scale, the scaled per-replica mean divided by N; for a float8 model, divided by the
+        batch's examples over the replica's (exact on uneven splits too).
 
         Each replica's loss is the mean over its own B/N examples (tfscale weighs replicas by
         example count after the backward pass), so its backward pass would carry N times the
         values one device's does over B examples: in float16 it would overflow the dynamic
         scale where one device does not, and a float8 layer would quantize other gradients
         than one device's (their amax history N times one device's, the values below
-        float8's range different). Divided by N it carries one device's magnitudes (exactly,
-        for an even split); ``apply`` weighs the gradients back (``loss_share``).
+        float8's range different). Divided so, it carries one device's magnitudes;
+        ``apply`` weighs the gradients back (``StepContext.update_weight``).
         """
         scaled = self._original_scale_loss(loss)
         step = _current()
@@ -417,10 +429,7 @@ class DistributedUpdate:
             count = tf.constant(1.0 / replicas)  # Keras's losses are already divided by N
         # Each gradient is weighted by its examples; where scale_loss divided this replica's
         # loss by N, by N times as many (the example total stays the count).
-        if step is not None and step.weight is not None:
-            weight = tf.cast(step.weight, tf.float32)
-        else:
-            weight = count * float(step.loss_share) if step is not None else count
+        weight = step.update_weight(count) if step is not None else count
         reduce = replicas > 1 and (step is None or step.all_reduce)
         kept = [i for i, v in enumerate(variables) if _overwritten(v)]
         if self.accumulation_steps == 1:
