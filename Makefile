@@ -72,7 +72,8 @@ unit: venv
 
 # Everything `make test` leaves out (marked `full`, each naming its `make test` equivalent):
 # the other elastic inputs, seed scripts and 2-worker parity cases, the doctor docs' repeated
-# runs. `.ci/run` runs it after `make test`.
+# runs, and the cases of the parity suite, the KerasHub models and parametrized tests whose
+# path a `make test` case already takes (tests/README.md). `.ci/run` runs it after `make test`.
 test-full: venv
 	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup -m full
 

@@ -82,6 +82,14 @@ def _commands(code: str, folder: Path) -> Completed:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+# make test profiles a script through the same command (a custom loop's, test_loops) and 2
+# workers' (test_stragglers), and measures and judges a bench in-process (test_bench).
+@pytest.mark.full(
+    "tests/profiling/test_loops.py::test_profile_reports_a_custom_loop_like_fit",
+    "tests/profiling/test_stragglers.py::"
+    "test_profile_of_two_workers_names_the_one_whose_input_sleeps",
+    "tests/profiling/test_bench.py::test_injected_input_delay_is_reported_as_input_share",
+)
 def test_bench_and_profile_commands_write_reports(tmp_path: Path) -> None:
     # `tfscale profile sub/train.py` runs the script as `python sub/train.py` would (and as
     # `doctor --script` does): its folder is on sys.path, so it imports its neighbours.

@@ -201,3 +201,21 @@ def launch(job: Path, args: list[str], timeout: float) -> Any:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done
+
+
+def tiered(values: list[Any], ids: list[str], full: dict[str, str], test: str) -> list[Any]:
+    """``values`` (named ``ids``; a tuple holds one value per argument name) as ``test``'s
+    parameters: those ``full`` maps run in ``make test-full`` (the ``full`` marker,
+    tests/README.md), each naming its ``make test`` equivalent: another of ``ids``, or a
+    whole node id."""
+    import pytest
+
+    params = []
+    for value, name in zip(values, ids, strict=True):
+        arguments = value if isinstance(value, tuple) else (value,)
+        if name not in full:
+            params.append(pytest.param(*arguments, id=name))
+            continue
+        equivalent = full[name] if "::" in full[name] else f"{test}[{full[name]}]"
+        params.append(pytest.param(*arguments, id=name, marks=pytest.mark.full(equivalent)))
+    return params

@@ -19,7 +19,7 @@ import tensorflow as tf
 import tfscale
 from tfscale.testing import relative_difference
 
-from .helpers import DATA, batches, reference_weights, strategy_for, tiny_model
+from .helpers import DATA, batches, reference_weights, strategy_for, tiered, tiny_model
 
 pytestmark = pytest.mark.tf
 
@@ -69,7 +69,16 @@ def _one_device(build: Callable[[], Any], epochs: int) -> Any:
     return model
 
 
-@pytest.mark.parametrize("name", sorted(BUILDS))
+@pytest.mark.parametrize(
+    "name",
+    tiered(
+        sorted(BUILDS),
+        sorted(BUILDS),
+        {"adamw_excluding_a_weight": "adam"},
+        "tests/training/test_adopt.py::"
+        "test_a_model_trained_outside_the_scope_continues_its_optimizer",
+    ),
+)
 def test_a_model_trained_outside_the_scope_continues_its_optimizer(name: str) -> None:
     expected = _one_device(BUILDS[name], epochs=2)
     model = _one_device(BUILDS[name], epochs=1)

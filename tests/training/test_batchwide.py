@@ -20,7 +20,7 @@ import tensorflow as tf
 import tfscale
 from tfscale.testing import graphs_left_alive, relative_difference
 
-from .helpers import strategy_for
+from .helpers import strategy_for, tiered
 
 pytestmark = pytest.mark.tf
 
@@ -169,8 +169,31 @@ def _fits(gather: bool, reduce: str | None = None, local: bool = False) -> tuple
     return reference, expected, model, history
 
 
-@pytest.mark.parametrize("local", [False, True], ids=["whole_batch", "local"])
-@pytest.mark.parametrize("reduce", [None, "sum", "mean"], ids=["vector", "sum", "mean"])
+_LOSSES = [(reduce, local) for local in (False, True) for reduce in (None, "sum", "mean")]
+_LOSS_IDS = [
+    f"{name}-{'local' if local else 'whole_batch'}"
+    for local in (False, True)
+    for name in ("vector", "sum", "mean")
+]
+
+
+# `make test` runs the summed loss over the whole batch and the mean over the local rows (the
+# two corrections of Prepared.compute_loss); the other four in `make test-full`.
+@pytest.mark.parametrize(
+    ("reduce", "local"),
+    tiered(
+        _LOSSES,
+        _LOSS_IDS,
+        {
+            "vector-whole_batch": "sum-whole_batch",
+            "mean-whole_batch": "sum-whole_batch",
+            "vector-local": "mean-local",
+            "sum-local": "mean-local",
+        },
+        "tests/training/test_batchwide.py::"
+        "test_a_contrastive_loss_over_gathered_embeddings_is_one_devices",
+    ),
+)
 def test_a_contrastive_loss_over_gathered_embeddings_is_one_devices(
     reduce: str | None, local: bool
 ) -> None:

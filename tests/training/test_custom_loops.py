@@ -18,7 +18,7 @@ import tfscale
 from tfscale.testing import relative_difference
 from tfscale.training.loop import loop_state
 
-from .helpers import DATA, strategy_for
+from .helpers import DATA, strategy_for, tiered
 from .loops import (
     convention_loop,
     dcgan_loop,
@@ -30,6 +30,10 @@ from .loops import (
 )
 
 pytestmark = pytest.mark.tf
+
+# One parameter of each test below in `make test`, the others (the same loop path with another
+# optimizer or convention) in `make test-full` (#41).
+_T = "tests/training/test_custom_loops.py::"
 
 TOLERANCE = 1e-5
 
@@ -93,7 +97,15 @@ def test_the_keras_guides_eager_loop_with_one_line_gives_one_device_weights() ->
     assert _per_variable(two, one) <= TOLERANCE
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize(
+    "optimizer",
+    tiered(
+        ["sgd", "adam"],
+        ["sgd", "adam"],
+        {"sgd": "adam"},
+        f"{_T}test_the_users_loop_with_one_line_gives_one_device_weights",
+    ),
+)
 def test_the_users_loop_with_one_line_gives_one_device_weights(optimizer: str) -> None:
     x, y = DATA
     one = user_loop(strategy_for(0), None, x[:96], y[:96], optimizer_name=optimizer)
@@ -173,7 +185,15 @@ def test_a_declared_convention_gives_one_device_weights(convention: str, declare
     assert _per_variable(two, one) <= TOLERANCE
 
 
-@pytest.mark.parametrize("convention", ["reduce_mean", "keras_object", "compute_average_loss"])
+@pytest.mark.parametrize(
+    "convention",
+    tiered(
+        ["reduce_mean", "keras_object", "compute_average_loss"],
+        ["reduce_mean", "keras_object", "compute_average_loss"],
+        {"keras_object": "compute_average_loss"},
+        f"{_T}test_an_uneven_split_is_weighted_by_examples",
+    ),
+)
 def test_an_uneven_split_is_weighted_by_examples(convention: str) -> None:
     # Batches of 15: replica 0 gets 8 examples, replica 1 gets 7; a mean of each replica's
     # loss weighs them by their examples, as one device's mean over 15 does.
@@ -186,7 +206,15 @@ def test_an_uneven_split_is_weighted_by_examples(convention: str) -> None:
         assert _per_variable(alone, one) > 10 * TOLERANCE
 
 
-@pytest.mark.parametrize("convention", ["reduce_mean", "keras_object"])
+@pytest.mark.parametrize(
+    "convention",
+    tiered(
+        ["reduce_mean", "keras_object"],
+        ["reduce_mean", "keras_object"],
+        {"reduce_mean": "keras_object"},
+        f"{_T}test_accumulating_k_batches_equals_one_device_on_a_k_times_larger_batch",
+    ),
+)
 def test_accumulating_k_batches_equals_one_device_on_a_k_times_larger_batch(
     convention: str,
 ) -> None:
@@ -206,7 +234,15 @@ def test_accumulating_k_batches_equals_one_device_on_a_k_times_larger_batch(
     assert int(state.update.all_reduce_runs.numpy()) == 4
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "adamw", "lso"])
+@pytest.mark.parametrize(
+    "optimizer",
+    tiered(
+        ["adam", "adamw", "lso"],
+        ["adam", "adamw", "lso"],
+        {"adamw": "adam", "lso": "adam"},
+        f"{_T}test_optimizers_built_lazily_inside_strategy_run",
+    ),
+)
 def test_optimizers_built_lazily_inside_strategy_run(optimizer: str) -> None:
     # user_loop's model has no Input: the model and the optimizer are built by the first
     # replica step, which tfscale moves out of it.
@@ -483,7 +519,15 @@ def _clipping_loop(strategy: Any, clip: str | None, prepare: bool, **options: An
     return model.get_weights(), optimizer
 
 
-@pytest.mark.parametrize("clip", ["clip_by_global_norm", "clip_by_value"])
+@pytest.mark.parametrize(
+    "clip",
+    tiered(
+        ["clip_by_global_norm", "clip_by_value"],
+        ["clip_by_global_norm", "clip_by_value"],
+        {"clip_by_value": "clip_by_global_norm"},
+        f"{_T}test_a_gradient_clipped_in_each_replica_is_refused_and_the_optimizers_clip_is_exact",
+    ),
+)
 def test_a_gradient_clipped_in_each_replica_is_refused_and_the_optimizers_clip_is_exact(
     clip: str,
 ) -> None:

@@ -17,7 +17,7 @@ from tfscale.training import Trainer
 from tfscale.training.allreduce import buckets
 from tfscale.training.prepare import prepared
 
-from .helpers import DATA, batches, reference_weights, strategy_for, tiny_model
+from .helpers import DATA, batches, reference_weights, strategy_for, tiered, tiny_model
 
 pytestmark = pytest.mark.tf
 
@@ -34,9 +34,28 @@ def _reference(optimizer: str, batch: int) -> list[object]:
     return _REFERENCES[key]
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-@pytest.mark.parametrize("replicas", [0, 1, 2, 4])
-def test_replicas_give_the_weights_of_one_device(optimizer: str, replicas: int) -> None:
+_REPLICAS = [(replicas, optimizer) for replicas in (0, 1, 2, 4) for optimizer in ("sgd", "adam")]
+
+
+# `make test` runs 2 replicas with SGD and 4 with Adam; the other counts and optimizers (the
+# same fit and update; an optimizer's own step is Keras's) run in `make test-full`.
+@pytest.mark.parametrize(
+    ("replicas", "optimizer"),
+    tiered(
+        _REPLICAS,
+        [f"{r}-{o}" for r, o in _REPLICAS],
+        {
+            "0-sgd": "2-sgd",
+            "0-adam": "4-adam",
+            "1-sgd": "2-sgd",
+            "1-adam": "4-adam",
+            "2-adam": "4-adam",
+            "4-sgd": "2-sgd",
+        },
+        "tests/training/test_equivalence.py::test_replicas_give_the_weights_of_one_device",
+    ),
+)
+def test_replicas_give_the_weights_of_one_device(replicas: int, optimizer: str) -> None:
     x, y = DATA
     strategy = strategy_for(replicas)
     model = tiny_model(strategy, optimizer)
@@ -47,10 +66,21 @@ def test_replicas_give_the_weights_of_one_device(optimizer: str, replicas: int) 
     assert set(history.history) == {"loss", "accuracy"}
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-@pytest.mark.parametrize("replicas", [0, 2])
+_ACCUMULATING = [(replicas, optimizer) for replicas in (0, 2) for optimizer in ("sgd", "adam")]
+
+
+@pytest.mark.parametrize(
+    ("replicas", "optimizer"),
+    tiered(
+        _ACCUMULATING,
+        [f"{r}-{o}" for r, o in _ACCUMULATING],
+        {"0-sgd": "2-adam", "0-adam": "2-adam", "2-sgd": "2-adam"},
+        "tests/training/test_equivalence.py::"
+        "test_accumulating_k_micro_batches_equals_one_batch_of_k_times_b",
+    ),
+)
 def test_accumulating_k_micro_batches_equals_one_batch_of_k_times_b(
-    optimizer: str, replicas: int
+    replicas: int, optimizer: str
 ) -> None:
     x, y = DATA
     k, micro = 4, 8
@@ -102,6 +132,9 @@ def test_steps_per_execution_remat_and_jit_change_nothing() -> None:
     assert relative_difference(model.get_weights(), _reference("adam", BATCH)) <= 1e-5
 
 
+@pytest.mark.full(
+    "tests/training/test_equivalence.py::test_steps_per_execution_remat_and_jit_change_nothing"
+)
 def test_remat_under_a_mixed_policy_gives_the_weights_without_remat() -> None:
     """Remat recomputes each layer's call in the backward pass, outside the layer's autocast
     scope: under bf16 its float32 weights met bfloat16 inputs there (a bare TypeError from
@@ -230,7 +263,15 @@ def test_bucketed_all_reduce_gives_the_packed_weights_with_one_collective_per_bu
     assert relative_difference(weights[0], _reference("adam", BATCH)) <= 1e-5
 
 
-@pytest.mark.parametrize(("compression", "tolerance"), [("bf16", 2e-2), ("fp16", 3e-3)])
+@pytest.mark.parametrize(
+    ("compression", "tolerance"),
+    tiered(
+        [("bf16", 2e-2), ("fp16", 3e-3)],
+        ["bf16-0.02", "fp16-0.003"],
+        {"fp16-0.003": "bf16-0.02"},
+        "tests/training/test_equivalence.py::test_compressed_all_reduce_stays_close_to_float32",
+    ),
+)
 def test_compressed_all_reduce_stays_close_to_float32(compression: str, tolerance: float) -> None:
     """bfloat16 keeps 8 bits of mantissa, float16 11: after 5 Adam updates the weights stay
     within these relative differences of the float32 all-reduce (measured: bf16 6.2e-3,
@@ -326,17 +367,28 @@ def _summing_regressor(
     return model
 
 
+# `make test` runs the sum plain and under XLA; the sum under several steps per call or
+# accumulation, and Keras's None (differentiated as the same sum), in `make test-full`.
 @pytest.mark.parametrize(
     ("reduction", "options"),
-    [
-        ("sum", {}),
-        ("sum", {"steps_per_execution": 3}),
-        ("sum", {"jit_compile": True}),
-        ("sum", {"accumulation_steps": 2}),
-        (None, {}),
-        (None, {"jit_compile": True}),
-    ],
-    ids=["plain", "steps_per_execution", "jit_compile", "accumulation_steps", "none", "none-jit"],
+    tiered(
+        [
+            ("sum", {}),
+            ("sum", {"steps_per_execution": 3}),
+            ("sum", {"jit_compile": True}),
+            ("sum", {"accumulation_steps": 2}),
+            (None, {}),
+            (None, {"jit_compile": True}),
+        ],
+        ["plain", "steps_per_execution", "jit_compile", "accumulation_steps", "none", "none-jit"],
+        {
+            "steps_per_execution": "plain",
+            "accumulation_steps": "plain",
+            "none": "plain",
+            "none-jit": "jit_compile",
+        },
+        "tests/training/test_equivalence.py::test_a_loss_summed_over_the_batch_is_one_devices_sum",
+    ),
 )
 def test_a_loss_summed_over_the_batch_is_one_devices_sum(
     reduction: str | None, options: dict[str, object]
@@ -496,10 +548,23 @@ def _sums_in_compute_loss(strategy: tf.distribute.Strategy | None, way: str) -> 
     return model
 
 
+# `make test` runs keras-io's override; the other ways of writing the sum, and it under XLA
+# (the summed loss under XLA: test_a_loss_summed_over_the_batch_is_one_devices_sum), in
+# `make test-full`.
 @pytest.mark.parametrize(
     ("way", "options"),
-    [("keras_io", {}), ("global_batch", {}), ("listed", {}), ("keras_io", {"jit_compile": True})],
-    ids=["keras_io", "global_batch", "listed", "keras_io-jit"],
+    tiered(
+        [
+            ("keras_io", {}),
+            ("global_batch", {}),
+            ("listed", {}),
+            ("keras_io", {"jit_compile": True}),
+        ],
+        ["keras_io", "global_batch", "listed", "keras_io-jit"],
+        {"global_batch": "keras_io", "listed": "keras_io", "keras_io-jit": "keras_io"},
+        "tests/training/test_equivalence.py::"
+        "test_a_compute_loss_override_that_sums_over_the_batch_is_one_devices_sum",
+    ),
 )
 def test_a_compute_loss_override_that_sums_over_the_batch_is_one_devices_sum(
     way: str, options: dict[str, object]

@@ -19,7 +19,16 @@ from tfscale.training import Trainer
 from tfscale.training.data import RELEASE_THREAD, EpochOrder, FitInputs
 from tfscale.training.prepare import prepared
 
-from .helpers import CLASSES, DATA, FEATURES, batches, reference_weights, strategy_for, tiny_model
+from .helpers import (
+    CLASSES,
+    DATA,
+    FEATURES,
+    batches,
+    reference_weights,
+    strategy_for,
+    tiered,
+    tiny_model,
+)
 from .parity.common import aligned, generator, regression, regressor
 from .parity.keras_io_cases import Batches
 
@@ -590,8 +599,26 @@ def test_tensorflow_writes_into_generator_arrays_under_mirrored_strategy() -> No
     assert written[-1] == first_replica, written
 
 
-@pytest.mark.parametrize("how", ["tfscale.fit", "prepare"])
-@pytest.mark.parametrize("kind", ["py_dataset", "generator"])
+_GENERATOR_INPUTS = [
+    (kind, how) for kind in ("py_dataset", "generator") for how in ("tfscale.fit", "prepare")
+]
+
+
+# `make test` runs each kind of input once and each one line once; the other two pairs in
+# `make test-full`.
+@pytest.mark.parametrize(
+    ("kind", "how"),
+    tiered(
+        _GENERATOR_INPUTS,
+        [f"{kind}-{how}" for kind, how in _GENERATOR_INPUTS],
+        {
+            "py_dataset-prepare": "generator-prepare",
+            "generator-tfscale.fit": "py_dataset-tfscale.fit",
+        },
+        "tests/training/test_inputs.py::"
+        "test_generator_inputs_leave_the_users_arrays_unchanged_and_train_as_one_device",
+    ),
+)
 def test_generator_inputs_leave_the_users_arrays_unchanged_and_train_as_one_device(
     kind: str, how: str
 ) -> None:

@@ -59,25 +59,46 @@ def _reference(name: str) -> Run:
 
 
 _FIT_TEST = "tests/training/test_kerashub.py::test_tfscale_fit_matches_one_device_model_fit"
+_PREPARE_TEST = (
+    "tests/training/test_kerashub.py::test_prepare_then_model_fit_matches_one_device_model_fit"
+)
 # The models whose own methods differ from Keras's fit (the preprocessor's fit, LoRA): make test
-# runs both of their lines with both optimizers.
+# runs both of their lines with Adam, and their tfscale.fit with SGD too.
 _OWN_METHODS = ("bert_preprocessor_strings", "gpt2_lora_generate")
+# One model of each kind in `make test` (#41): a classifier with a boolean padding mask (BERT)
+# and a causal LM over token sequences (GPT-2), besides _OWN_METHODS. Each other model takes
+# its kind's fit, update and input paths: it runs in `make test-full`, naming its kind's case.
+_KIND = {
+    "bert_classifier": "bert_classifier",
+    "vit_classifier": "bert_classifier",
+    "bert_masked_lm": "bert_classifier",
+    "gpt2_causal_lm": "gpt2_causal_lm",
+    "llama3_causal_lm": "gpt2_causal_lm",
+    "bart_seq2seq_lm": "gpt2_causal_lm",
+    "gpt2_qlora": "gpt2_lora_generate",
+    "bert_preprocessor_strings": "bert_preprocessor_strings",
+    "gpt2_lora_generate": "gpt2_lora_generate",
+}
+
+
+def _model(case: Case) -> str:
+    return case.name.removesuffix("_sgd").removesuffix("_adam")
 
 
 def _fit_param(case: Case) -> Any:
-    """``make test`` runs every model by ``tfscale.fit`` with Adam, and with SGD those of
-    :data:`_OWN_METHODS`; the other models' SGD cases run in ``make test-full``, their Adam
-    case in ``make test`` (the same model, fit and update path; SGD differs only in the
-    optimizer's own step, which the parity suite's SGD cases cover on other models)."""
-    if case.name.endswith("_adam") or case.name.startswith(_OWN_METHODS):
+    """``make test`` runs one model of each kind by ``tfscale.fit`` with Adam, and with SGD
+    those of :data:`_OWN_METHODS`; every other case runs in ``make test-full``, naming its
+    kind's Adam case (the same fit and update path; SGD differs only in the optimizer's own
+    step, which the parity suite's SGD cases cover on other models)."""
+    model = _model(case)
+    if _KIND[model] == model and (case.name.endswith("_adam") or model in _OWN_METHODS):
         return param(case)
     return pytest.param(case, id=case.name, marks=pytest.mark.full(_adam_fit(case)))
 
 
 def _adam_fit(case: Case) -> str:
-    """The ``make test`` node id of the case's model trained with Adam by ``tfscale.fit``."""
-    model = case.name.removesuffix("_sgd").removesuffix("_adam")
-    return f"{_FIT_TEST}[{model}_adam]"
+    """The ``make test`` node id of the case's kind trained with Adam by ``tfscale.fit``."""
+    return f"{_FIT_TEST}[{_KIND[_model(case)]}_adam]"
 
 
 @pytest.mark.parametrize("case", [_fit_param(case) for case in CASES])
@@ -86,13 +107,17 @@ def test_tfscale_fit_matches_one_device_model_fit(case: Case) -> None:
 
 
 def _prepared_param(case: Case) -> Any:
-    """``make test`` runs prepare + model.fit on the models whose own methods differ (the
-    preprocessor's fit, LoRA); the rest run in ``make test-full``, the model's Adam case by
-    ``tfscale.fit`` in ``make test`` (both lines reach Keras's fit through the same prepared
-    class)."""
-    if case.name.startswith(_OWN_METHODS):
+    """``make test`` runs prepare + model.fit with Adam on the models whose own methods differ
+    (the preprocessor's fit, LoRA); the rest run in ``make test-full``, naming the model
+    kind's Adam case by ``tfscale.fit`` (both lines reach Keras's fit through the same
+    prepared class) and, for SGD, the same model's Adam case by ``prepare``."""
+    model = _model(case)
+    if model in _OWN_METHODS and case.name.endswith("_adam"):
         return param(case)
-    return pytest.param(case, id=case.name, marks=pytest.mark.full(_adam_fit(case)))
+    equivalents = [_adam_fit(case)]
+    if model in _OWN_METHODS:
+        equivalents.append(f"{_PREPARE_TEST}[{model}_adam]")
+    return pytest.param(case, id=case.name, marks=pytest.mark.full(*equivalents))
 
 
 @pytest.mark.parametrize("case", [_prepared_param(case) for case in CASES])
@@ -171,7 +196,24 @@ def test_models_under_tfscale_launch_give_one_device_weights(tmp_path: Path) -> 
 
 
 # -- mixture of experts --------------------------------------------------------------------------
-@pytest.mark.parametrize("case", [param(case) for case in MOE_CASES])
+_MOE_TEST = (
+    "tests/training/test_kerashub.py::"
+    "test_mixture_of_experts_balances_the_whole_batch_with_global_load_balancing"
+)
+
+
+def _moe_param(case: Case) -> Any:
+    """``make test`` runs Mixtral balanced over the whole batch (by both one lines); Qwen3-MoE
+    (the same KerasHub loss function, wrapped the same way) and the per-replica known
+    difference run in ``make test-full``, naming it."""
+    if case.name == "mixtral_global_sgd":
+        return param(case)
+    return pytest.param(
+        case, id=case.name, marks=pytest.mark.full(f"{_MOE_TEST}[mixtral_global_sgd]")
+    )
+
+
+@pytest.mark.parametrize("case", [_moe_param(case) for case in MOE_CASES])
 def test_mixture_of_experts_balances_the_whole_batch_with_global_load_balancing(case: Case) -> None:
     """KerasHub's Mixtral and Qwen3-MoE add a load-balancing loss over the tokens of the
     batch each replica is given: with ``global_load_balancing=True`` every replica gathers the
@@ -202,7 +244,23 @@ def test_global_load_balancing_is_refused_without_experts_and_under_xla() -> Non
 
 
 # -- a loss normalized over the batch ------------------------------------------------------------
-@pytest.mark.parametrize("case", [param(case) for case in DETECTION_CASES])
+_RETINANET_TEST = (
+    "tests/training/test_kerashub.py::"
+    "test_retinanets_loss_is_one_devices_once_normalized_by_the_batchs_count"
+)
+
+
+def _detection_param(case: Case) -> Any:
+    """``make test`` runs the normalization over the whole batch; the known difference of
+    RetinaNet's own runs in ``make test-full``, naming it (the same model and fit)."""
+    if case.name == "retinanet_batch_count_sgd":
+        return param(case)
+    return pytest.param(
+        case, id=case.name, marks=pytest.mark.full(f"{_RETINANET_TEST}[retinanet_batch_count_sgd]")
+    )
+
+
+@pytest.mark.parametrize("case", [_detection_param(case) for case in DETECTION_CASES])
 def test_retinanets_loss_is_one_devices_once_normalized_by_the_batchs_count(case: Case) -> None:
     """KerasHub's RetinaNet divides its summed loss by the positive anchors of the batch it is
     given: under 2 replicas each divides by its own share's, and the update is not one

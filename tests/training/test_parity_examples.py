@@ -11,14 +11,40 @@ import pytest
 
 from .helpers import run_workers, strategy_for
 from .parity import KERAS_IO_CASES
-from .parity.registry import Case, param, run_case
+from .parity.registry import Case, run_case, tiered
 
 pytestmark = [pytest.mark.tf, pytest.mark.slow]
 
 TESTS = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("case", [param(case) for case in KERAS_IO_CASES])
+_TEST = "tests/training/test_parity_examples.py::test_tfscale_fit_matches_one_device_model_fit"
+_PARITY = "tests/training/test_parity.py::test_tfscale_fit_matches_one_device_model_fit"
+# As test_parity.FULL: each case below takes the path of the `make test` case it names and
+# runs in `make test-full` (and `make test-next`).
+FULL = {
+    "captcha_ocr_add_loss_per_example": "endpoint_layer_add_loss",
+    "bidirectional_gru_text_classification": "lstm_text_classification",
+    "masked_token_loss": "masked_language_model_summed_loss",
+    "mnist_convnet": "conv_autoencoder",
+    "auc_precision_recall_metrics": f"{_PARITY}[metric_tracking_weighted]",
+    "custom_metric_true_positives": f"{_PARITY}[metric_tracking_weighted]",
+    "batchnorm_per_replica_statistics": "batchnorm_synchronized",
+    "tf_data_seeded_shuffle_fixed_order": "tf_data_seeded_shuffle",
+    "validation_freq": "tf_data_with_validation_dataset",
+    "validation_batch_size": "tf_data_with_validation_dataset",
+    "mnist_mlp_validation_split": f"{_PARITY}[fit_with_val_split]",
+    "loss_scale_optimizer_no_overflow": "loss_scale_optimizer_mixed_float16",
+    "transfer_learning_freeze_then_fine_tune": f"{_PARITY}[second_fit_continues]",
+    "initial_epoch": f"{_PARITY}[backup_and_restore_resume]",
+    "custom_train_step_sample_weight": "sample_weight",
+    "steps_per_epoch_iterator_continues": f"{_PARITY}[python_generator]",
+    "py_dataset": f"{_PARITY}[python_generator]",
+    "gradient_accumulation_sgd": "gradient_accumulation_adam",
+}
+
+
+@pytest.mark.parametrize("case", [tiered(case, FULL, _TEST) for case in KERAS_IO_CASES])
 def test_tfscale_fit_matches_one_device_model_fit(case: Case) -> None:
     run_case(case, strategy_for(2))
 
@@ -39,19 +65,19 @@ MULTIWORKER_CASES = (
 # other sparse-aware optimizers (RMSprop, Adagrad, Nadam, Lion) share the embeddings' gather
 # and are each checked on 2 replicas in the test process (tests/training/test_sparse_updates.py).
 _IN_PROCESS = {
-    "loss_weights_dict_outputs": "test_parity.py::test_tfscale_fit_matches_one_device_model_fit",
-    "custom_compute_loss": "test_parity_examples.py::test_tfscale_fit_matches_one_device_model_fit",
-    "class_weight": "test_parity_examples.py::test_tfscale_fit_matches_one_device_model_fit",
-    "early_stopping_min_delta": "test_parity.py::test_tfscale_fit_matches_one_device_model_fit",
-    "gradient_accumulation_adam": (
-        "test_parity_examples.py::test_tfscale_fit_matches_one_device_model_fit"
-    ),
+    "loss_weights_dict_outputs": f"{_TEST}[multi_input_multi_output_loss_weights]",
+    "custom_compute_loss": f"{_TEST}[custom_compute_loss]",
+    "class_weight": f"{_TEST}[class_weight]",
+    "early_stopping_min_delta": f"{_PARITY}[early_stopping_restore_best_weights]",
+    "gradient_accumulation_adam": f"{_TEST}[gradient_accumulation_adam]",
     "token_and_position_embedding_adamw": (
-        "test_sparse_updates.py::test_two_replicas_give_the_dense_gradients_update_of_one_device"
+        "tests/training/test_sparse_updates.py::"
+        "test_two_replicas_give_the_dense_gradients_update_of_one_device"
+        "[token_and_position_embedding_adamw]"
     ),
 }
 MULTIWORKER_FULL_CASES = tuple(_IN_PROCESS)
-_FULL = pytest.mark.full(*(f"tests/training/{test}[{case}]" for case, test in _IN_PROCESS.items()))
+_FULL = pytest.mark.full(*_IN_PROCESS.values())
 
 # Worker 0 runs the registry's own runner: the one-device model.fit reference in its process
 # (no state of the parent's earlier cases), then tfscale.fit over the cluster from the

@@ -21,13 +21,36 @@ from tfscale.training.optimizer import _rows_summed
 
 from .helpers import strategy_for
 from .parity import SPARSE_CASES
-from .parity.registry import Case, param, run_case
+from .parity.registry import Case, run_case, tiered
 from .parity.sparse_cases import TOKEN_LABELS, TOKENS, transformer_classifier, variable_differences
 
 pytestmark = pytest.mark.tf
 
 
-@pytest.mark.parametrize("case", [param(case) for case in SPARSE_CASES])
+_TEST = "tests/training/test_sparse_updates.py::"
+# `make test` runs the embeddings' gather with Adam and AdamW (decoupled decay); the other
+# sparse-aware optimizers (the same gathered rows into their own step) and the transformer
+# (trained by `make test` across 2 workers, the parity suite's 2-worker group) in
+# `make test-full`.
+FULL = {
+    **{
+        f"token_and_position_embedding_{name}": "token_and_position_embedding_adam"
+        for name in ("nadam", "lion", "rmsprop", "adagrad")
+    },
+    "transformer_classifier_adam": "tests/training/test_parity_examples.py::"
+    "test_cases_across_two_worker_processes_match_one_device[paths_across_workers]",
+}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        tiered(
+            case, FULL, f"{_TEST}test_two_replicas_give_the_dense_gradients_update_of_one_device"
+        )
+        for case in SPARSE_CASES
+    ],
+)
 def test_two_replicas_give_the_dense_gradients_update_of_one_device(case: Case) -> None:
     run_case(case, strategy_for(2))
 

@@ -24,7 +24,7 @@ import tfscale
 from tfscale.testing import relative_difference
 from tfscale.training.fit import AUTO_MIN_STEPS, AUTO_STEPS_PER_EXECUTION, auto_steps_per_execution
 
-from .helpers import strategy_for
+from .helpers import strategy_for, tiered
 
 pytestmark = pytest.mark.tf
 
@@ -94,7 +94,16 @@ def _inputs(kind: str, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
     return {"x": dataset.repeat(), "steps_per_epoch": 13}  # infinite, steps given
 
 
-@pytest.mark.parametrize("kind", ["arrays", "tf.data", "repeated tf.data"])
+@pytest.mark.parametrize(
+    "kind",
+    tiered(
+        ["arrays", "tf.data", "repeated tf.data"],
+        ["arrays", "tf.data", "repeated tf.data"],
+        {"repeated tf.data": "tf.data"},
+        "tests/training/test_steps_per_call.py::"
+        "test_several_steps_per_call_give_one_devices_weights_history_and_updates",
+    ),
+)
 @pytest.mark.usefixtures("_loop_at_any_length")
 def test_several_steps_per_call_give_one_devices_weights_history_and_updates(kind: str) -> None:
     x, y = _data(seed=11)
@@ -293,7 +302,16 @@ def _custom_logs_model() -> keras.Model:
     return model
 
 
-@pytest.mark.parametrize("steps", [None, 1, 4])
+@pytest.mark.parametrize(
+    "steps",
+    tiered(
+        [None, 1, 4],
+        ["None", "1", "4"],
+        {"1": "None"},
+        "tests/training/test_steps_per_call.py::"
+        "test_python_and_numpy_numbers_in_a_steps_logs_give_one_devices_history",
+    ),
+)
 def test_python_and_numpy_numbers_in_a_steps_logs_give_one_devices_history(
     steps: int | None,
 ) -> None:

@@ -17,7 +17,7 @@ import tfscale
 from tfscale.errors import TrainingError
 from tfscale.testing import relative_difference
 
-from .helpers import NoCallModel, strategy_for
+from .helpers import NoCallModel, strategy_for, tiered
 
 pytestmark = pytest.mark.tf
 
@@ -125,9 +125,29 @@ def _data(name: str) -> tf.data.Dataset:
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-@pytest.mark.parametrize("replicas", [0, 2])
-def test_jit_trains_to_the_weights_of_keras_one_device_jit(name: str, replicas: int) -> None:
+_JIT_TEST = "tests/training/test_xla.py::test_jit_trains_to_the_weights_of_keras_one_device_jit"
+_OPTION_TEST = "tests/training/test_xla.py::test_compile_jit_compile_true_is_the_same_option"
+_PAIRS = [(replicas, name) for replicas in (0, 2) for name in MODELS]
+
+
+# `make test` compiles each kind of model but the recurrent one on 2 replicas; one device (the
+# same compiled step on one replica) and the recurrent model (its while loop, compiled as the
+# transformer's ops are) run in `make test-full`. test_compile_jit_compile_true_is_the_same_option
+# compiles a recurrent model on 2 replicas in `make test`.
+@pytest.mark.parametrize(
+    ("replicas", "name"),
+    tiered(
+        _PAIRS,
+        [f"{replicas}-{name}" for replicas, name in _PAIRS],
+        {
+            **{f"0-{name}": f"2-{name}" for name in MODELS if name != "lstm+gru"},
+            "0-lstm+gru": _OPTION_TEST,
+            "2-lstm+gru": _OPTION_TEST,
+        },
+        _JIT_TEST,
+    ),
+)
+def test_jit_trains_to_the_weights_of_keras_one_device_jit(replicas: int, name: str) -> None:
     strategy = strategy_for(replicas)
     with strategy.scope():
         model = _compiled(name, False)

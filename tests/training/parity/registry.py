@@ -203,12 +203,24 @@ def run_tfscale(
     return Run(model, history, arguments, start)
 
 
-def param(case: Case) -> Any:
-    """The case as a pytest parameter named after it (a strict xfail where it shows a bug)."""
+def param(case: Case, full: tuple[str, ...] = ()) -> Any:
+    """The case as a pytest parameter named after it (a strict xfail where it shows a bug);
+    with ``full``, a ``make test-full`` case naming those ``make test`` equivalents."""
     import pytest
 
     marks = [pytest.mark.xfail(strict=True, reason=case.xfail)] if case.xfail else []
+    if full:
+        marks.append(pytest.mark.full(*full))
     return pytest.param(case, id=case.name, marks=marks)
+
+
+def tiered(case: Case, full: dict[str, str], test: str) -> Any:
+    """``case`` as ``test``'s parameter: in ``make test-full`` where ``full`` names its
+    ``make test`` equivalent (a case of ``test``, or a node id), else in ``make test``."""
+    if case.name not in full:
+        return param(case)
+    equivalent = full[case.name]
+    return param(case, full=(equivalent if "::" in equivalent else f"{test}[{equivalent}]",))
 
 
 def run_case(
