@@ -99,10 +99,19 @@ def tier_problems(items: list[pytest.Item]) -> list[str]:
     """What is wrong with the ``full`` marks among ``items`` (every test collected, before
     ``-m`` deselects any): each ``full`` test names, as its marker's arguments, at least one
     node id of a ``make test`` test covering the same code path, which must exist and not be
-    ``full`` itself. An equivalent in a file this session did not collect (one file run
-    alone) is judged by its file only."""
+    ``full`` itself. An equivalent in a file this session did not collect whole (another
+    file run alone, or tests selected by node id) is judged by its file only."""
     ids = {item.nodeid: item for item in items}
     files = {nodeid.split("::")[0] for nodeid in ids}
+    if items:
+        # A file the session selected by node ids (one test run alone) was not collected
+        # whole: its equivalents are judged by the file only, as an uncollected file's.
+        rootpath = items[0].config.rootpath
+        files -= {
+            Path(arg.split("::")[0]).resolve().relative_to(rootpath).as_posix()
+            for arg in items[0].config.args
+            if "::" in arg and Path(arg.split("::")[0]).resolve().is_relative_to(rootpath)
+        }
     problems = []
     for item in items:
         for mark in item.iter_markers("full"):

@@ -229,6 +229,9 @@ def test_full_tests_leave_make_test_and_each_names_an_equivalent_it_runs(tmp_pat
     status, out = _pytest(suite, "-m", "full")  # make test-full
     assert status == 0 and out.rstrip().splitlines()[-1].startswith("2 passed, 2 deselected"), out
     assert "PASSED test_full.py::test_moved" in out and "PASSED test_full.py::test_p[b]" in out
+    # One `full` test run alone, by its node id: its equivalent, not selected, is no problem.
+    status, out = _pytest(suite, "test_full.py::test_p[b]")
+    assert status == 0 and "PASSED test_full.py::test_p[b]" in out, out
 
 
 @pytest.mark.parametrize(
