@@ -249,3 +249,21 @@ def test_nothing_a_fit_that_gathers_traced_outlives_it() -> None:
     traced, alive = graphs_left_alive(fit)
     assert len(traced) > 5 and any("one_step" in name for name in traced), traced
     assert not alive, f"graphs of a finished fit still alive: {alive}"
+
+
+class Float8DualEncoder(DualEncoder):
+    def __init__(self, gather: bool, **kwargs: Any) -> None:
+        super().__init__(gather, **kwargs)
+        self.text_encoder.quantize("float8")
+        self.image_encoder.quantize("float8")
+
+
+def test_a_float8_model_whose_loss_gathers_is_refused_before_its_first_update() -> None:
+    """Gathered rows send back gradients of other magnitudes than a replica's own loss, which
+    the float8 layers quantize (the dual encoder quantized: weights 1.8 from one device's on
+    batches of 7, the scales and histories 2x): refused as the step is traced."""
+    model = Float8DualEncoder(gather=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.05))
+    with pytest.raises(tfscale.TrainingError, match="quantizes to float8 and its loss gathers"):
+        tfscale.fit(model, _features(), batch_size=BATCH, strategy=strategy_for(2), verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 0

@@ -3,9 +3,12 @@ replica overflows; bf16 trains; a NaN loss stops with its update number."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfscale
 from tfscale.testing import relative_difference
@@ -208,3 +211,62 @@ def test_float8_training_on_2_replicas_is_one_device_over_the_2_shares(
 
 def _kernels(model: keras.Model) -> list[np.ndarray]:
     return [v.numpy() for v in model.weights if v.name in ("kernel", "bias")]
+
+
+class KerasIoStep(keras.Sequential):  # type: ignore[misc]
+    """A train_step as keras-io's examples write it: the gradient of the loss as computed,
+    with ``scale_loss`` only where ``scaled``."""
+
+    def __init__(self, *args: Any, scaled: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.scaled = scaled
+
+    def train_step(self, data: Any) -> Any:
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            if self.scaled:
+                loss = self.optimizer.scale_loss(loss)
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables, strict=True))
+        return {"loss": loss}
+
+
+def _float8_keras_io(scaled: bool) -> keras.Model:
+    keras.utils.set_random_seed(3)
+    model = KerasIoStep(
+        [keras.Input((16,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(4)],
+        scaled=scaled,
+    )
+    model.quantize("float8")
+    model.compile(
+        keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    return model
+
+
+def test_a_float8_train_step_that_never_scales_its_loss_is_refused_before_its_first_update() -> (
+    None
+):
+    """Keras's float8 needs no ``scale_loss`` on one device; over N replicas it is where
+    tfscale gives each replica's backward pass one device's magnitudes. Without it the
+    float8 layers quantized twice one device's gradients (2 replicas: the scales and
+    histories 2x, the weights 0.06 from one device's on batches of 15): refused as the step
+    is traced. With ``scale_loss`` the same step trains as one device (the rounding of the
+    uneven-split case above)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 16)).astype("float32")
+    y = rng.integers(0, 4, size=(64,)).astype("int32")
+    fit = {"batch_size": 15, "epochs": 2, "shuffle": False, "verbose": 0}
+    model = _float8_keras_io(scaled=False)
+    with pytest.raises(tfscale.TrainingError, match=r"never passed through self\.optimizer"):
+        tfscale.fit(model, x, y, strategy=strategy_for(2), **fit)
+    assert int(model.optimizer.iterations.numpy()) == 0
+    model, reference = _float8_keras_io(scaled=True), _float8_keras_io(scaled=True)
+    tfscale.fit(model, x, y, strategy=strategy_for(2), **fit)
+    reference.fit(x, y, **fit)
+    for (name, values), (_, expected) in zip(
+        _float8_state(model), _float8_state(reference), strict=True
+    ):
+        assert relative_difference(values, expected) <= 1e-4, name
+    assert relative_difference(_kernels(model), _kernels(reference)) <= 5e-3

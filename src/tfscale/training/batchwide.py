@@ -32,7 +32,7 @@ from tfscale.errors import TrainingError, explain
 from tfscale.interop import internals
 from tfscale.training.checks import no_load_balancing_loss
 from tfscale.training.conventions import computed_from
-from tfscale.training.optimizer import current_update_weight
+from tfscale.training.optimizer import current_update_weight, gathered_in_step
 from tfscale.training.xla import in_compiled_step
 
 __all__ = ["derives_from_gathered", "gather_batch", "load_balancing_over_the_batch"]
@@ -107,6 +107,7 @@ def _gathered_weighted(value: Any) -> tuple[Any, Any]:
     if context is None or context.num_replicas_in_sync == 1:
         return value, tf.constant(0)
     _refuse_in_compiled_step()
+    gathered_in_step()
     rows = tf.shape(value)[0]
     counts = _gather(context, tf.reshape(rows, [1]))
     first = tf.reduce_sum(counts[: context.replica_id_in_sync_group])
