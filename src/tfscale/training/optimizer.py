@@ -431,14 +431,15 @@ class DistributedUpdate:
         if not self.optimizer.built:
             self._build_lazily(variables)
         step = _current()
+        if step is not None and step.count is not None and context.num_replicas_in_sync > 1:
+            # tfscale's own step (a fit's): a custom loop's loss carries its own convention.
+            _refuse_unscaled_float8(step, variables)
         if step is None and self.loop_step is not None:
             # A custom loop prepared by tfscale.prepare_loop: the weighting its loss calls for.
             step = self.loop_step(self, variables)
         if step is not None:
             step.applied += 1
         replicas = context.num_replicas_in_sync
-        if replicas > 1 and step is not None and step.count is not None:
-            _refuse_unscaled_float8(step, variables)
         if step is not None and step.count is not None:
             count = tf.cast(step.count, tf.float32)
         else:
