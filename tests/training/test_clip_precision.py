@@ -270,3 +270,48 @@ def test_a_float8_train_step_that_never_scales_its_loss_is_refused_before_its_fi
     ):
         assert relative_difference(values, expected) <= 1e-4, name
     assert relative_difference(_kernels(model), _kernels(reference)) <= 5e-3
+
+
+def test_a_float8_custom_loop_with_compute_average_loss_trains_as_one_device() -> None:
+    """A prepared custom loop's loss divided by the global batch
+    (``tf.nn.compute_average_loss``) carries one device's magnitudes without ``scale_loss``:
+    not refused (the refusal above is for a fit's step), and the scales and histories are
+    one device's, the weights within the float8 rounding."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 16)).astype("float32")
+    y = rng.integers(0, 4, size=(64,)).astype("int32")
+    per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+    def train(replicas: int) -> keras.Model:
+        strategy = strategy_for(replicas)
+        with strategy.scope():
+            model = _float8_model()
+        optimizer = model.optimizer
+        if replicas > 1:
+            tfscale.prepare_loop(model, optimizer, strategy)
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+
+        def step(features: tf.Tensor, labels: tf.Tensor) -> None:
+            with tf.GradientTape() as tape:
+                predictions = model(features, training=True)
+                loss = tf.nn.compute_average_loss(
+                    per_example(labels, predictions), global_batch_size=16
+                )
+            gradients = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(gradients, model.trainable_variables, strict=True))
+
+        @tf.function  # type: ignore[misc]
+        def train_step(batch: Any) -> None:
+            strategy.run(step, args=batch)
+
+        for _ in range(2):
+            for batch in strategy.experimental_distribute_dataset(dataset):
+                train_step(batch)
+        return model
+
+    model, reference = train(2), train(0)
+    for (name, values), (_, expected) in zip(
+        _float8_state(model), _float8_state(reference), strict=True
+    ):
+        assert relative_difference(values, expected) <= 1e-4, name
+    assert relative_difference(_kernels(model), _kernels(reference)) <= 5e-3
