@@ -708,6 +708,14 @@ def losses_per_thread() -> Callable[[], None]:
     return release
 
 
+def losses_kept_per_thread() -> bool:
+    """Whether :func:`losses_per_thread` is held now (a prepared custom loop or prepared
+    model alive somewhere in the process): then every thread's added losses are its own,
+    also in code tfscale was not handed."""
+    with _WATCH_LOCK:
+        return _THREAD_HOLDS[0] > 0
+
+
 def keras_layer_class() -> Any:
     """``keras.src.layers.layer.Layer``, which defines ``add_loss``, ``_get_own_losses`` and
     ``_clear_losses`` (:func:`losses_per_replica`); ``keras.layers.Layer`` is the backend's
