@@ -203,19 +203,24 @@ def launch(job: Path, args: list[str], timeout: float) -> Any:
     return done
 
 
-def tiered(values: list[Any], ids: list[str], full: dict[str, str], test: str) -> list[Any]:
-    """``values`` (named ``ids``; a tuple holds one value per argument name) as ``test``'s
-    parameters: those ``full`` maps run in ``make test-full`` (the ``full`` marker,
-    tests/README.md), each naming its ``make test`` equivalent: another of ``ids``, or a
-    whole node id."""
+def equivalent_id(equivalent: str, test: str) -> str:
+    """A ``full`` test's ``make test`` equivalent as a node id: ``equivalent`` itself where it
+    is one, else a parameter id of ``test``."""
+    return equivalent if "::" in equivalent else f"{test}[{equivalent}]"
+
+
+def tiered(
+    values: list[Any], full: dict[str, str], test: str, ids: list[str] | None = None
+) -> list[Any]:
+    """``values`` (named ``ids``, by default the values themselves; a tuple holds one value
+    per argument name) as ``test``'s parameters: those ``full`` maps run in ``make
+    test-full`` (the ``full`` marker, tests/README.md), each naming its ``make test``
+    equivalent: another of ``ids``, or a whole node id."""
     import pytest
 
     params = []
-    for value, name in zip(values, ids, strict=True):
+    for value, name in zip(values, ids or [str(v) for v in values], strict=True):
         arguments = value if isinstance(value, tuple) else (value,)
-        if name not in full:
-            params.append(pytest.param(*arguments, id=name))
-            continue
-        equivalent = full[name] if "::" in full[name] else f"{test}[{full[name]}]"
-        params.append(pytest.param(*arguments, id=name, marks=pytest.mark.full(equivalent)))
+        marks = [pytest.mark.full(equivalent_id(full[name], test))] if name in full else []
+        params.append(pytest.param(*arguments, id=name, marks=marks))
     return params

@@ -73,7 +73,6 @@ def _one_device(build: Callable[[], Any], epochs: int) -> Any:
     "name",
     tiered(
         sorted(BUILDS),
-        sorted(BUILDS),
         {"adamw_excluding_a_weight": "adam"},
         "tests/training/test_adopt.py::"
         "test_a_model_trained_outside_the_scope_continues_its_optimizer",

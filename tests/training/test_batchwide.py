@@ -183,7 +183,6 @@ _LOSS_IDS = [
     ("reduce", "local"),
     tiered(
         _LOSSES,
-        _LOSS_IDS,
         {
             "vector-whole_batch": "sum-whole_batch",
             "mean-whole_batch": "sum-whole_batch",
@@ -192,6 +191,7 @@ _LOSS_IDS = [
         },
         "tests/training/test_batchwide.py::"
         "test_a_contrastive_loss_over_gathered_embeddings_is_one_devices",
+        ids=_LOSS_IDS,
     ),
 )
 def test_a_contrastive_loss_over_gathered_embeddings_is_one_devices(

@@ -101,7 +101,6 @@ def test_the_keras_guides_eager_loop_with_one_line_gives_one_device_weights() ->
     "optimizer",
     tiered(
         ["sgd", "adam"],
-        ["sgd", "adam"],
         {"sgd": "adam"},
         f"{_T}test_the_users_loop_with_one_line_gives_one_device_weights",
     ),
@@ -189,7 +188,6 @@ def test_a_declared_convention_gives_one_device_weights(convention: str, declare
     "convention",
     tiered(
         ["reduce_mean", "keras_object", "compute_average_loss"],
-        ["reduce_mean", "keras_object", "compute_average_loss"],
         {"keras_object": "compute_average_loss"},
         f"{_T}test_an_uneven_split_is_weighted_by_examples",
     ),
@@ -209,7 +207,6 @@ def test_an_uneven_split_is_weighted_by_examples(convention: str) -> None:
 @pytest.mark.parametrize(
     "convention",
     tiered(
-        ["reduce_mean", "keras_object"],
         ["reduce_mean", "keras_object"],
         {"reduce_mean": "keras_object"},
         f"{_T}test_accumulating_k_batches_equals_one_device_on_a_k_times_larger_batch",
@@ -237,7 +234,6 @@ def test_accumulating_k_batches_equals_one_device_on_a_k_times_larger_batch(
 @pytest.mark.parametrize(
     "optimizer",
     tiered(
-        ["adam", "adamw", "lso"],
         ["adam", "adamw", "lso"],
         {"adamw": "adam", "lso": "adam"},
         f"{_T}test_optimizers_built_lazily_inside_strategy_run",
@@ -522,7 +518,6 @@ def _clipping_loop(strategy: Any, clip: str | None, prepare: bool, **options: An
 @pytest.mark.parametrize(
     "clip",
     tiered(
-        ["clip_by_global_norm", "clip_by_value"],
         ["clip_by_global_norm", "clip_by_value"],
         {"clip_by_value": "clip_by_global_norm"},
         f"{_T}test_a_gradient_clipped_in_each_replica_is_refused_and_the_optimizers_clip_is_exact",

@@ -43,7 +43,6 @@ _REPLICAS = [(replicas, optimizer) for replicas in (0, 1, 2, 4) for optimizer in
     ("replicas", "optimizer"),
     tiered(
         _REPLICAS,
-        [f"{r}-{o}" for r, o in _REPLICAS],
         {
             "0-sgd": "2-sgd",
             "0-adam": "4-adam",
@@ -53,6 +52,7 @@ _REPLICAS = [(replicas, optimizer) for replicas in (0, 1, 2, 4) for optimizer in
             "4-sgd": "2-sgd",
         },
         "tests/training/test_equivalence.py::test_replicas_give_the_weights_of_one_device",
+        ids=[f"{r}-{o}" for r, o in _REPLICAS],
     ),
 )
 def test_replicas_give_the_weights_of_one_device(replicas: int, optimizer: str) -> None:
@@ -73,10 +73,10 @@ _ACCUMULATING = [(replicas, optimizer) for replicas in (0, 2) for optimizer in (
     ("replicas", "optimizer"),
     tiered(
         _ACCUMULATING,
-        [f"{r}-{o}" for r, o in _ACCUMULATING],
         {"0-sgd": "2-adam", "0-adam": "2-adam", "2-sgd": "2-adam"},
         "tests/training/test_equivalence.py::"
         "test_accumulating_k_micro_batches_equals_one_batch_of_k_times_b",
+        ids=[f"{r}-{o}" for r, o in _ACCUMULATING],
     ),
 )
 def test_accumulating_k_micro_batches_equals_one_batch_of_k_times_b(
@@ -267,9 +267,9 @@ def test_bucketed_all_reduce_gives_the_packed_weights_with_one_collective_per_bu
     ("compression", "tolerance"),
     tiered(
         [("bf16", 2e-2), ("fp16", 3e-3)],
-        ["bf16-0.02", "fp16-0.003"],
         {"fp16-0.003": "bf16-0.02"},
         "tests/training/test_equivalence.py::test_compressed_all_reduce_stays_close_to_float32",
+        ids=["bf16-0.02", "fp16-0.003"],
     ),
 )
 def test_compressed_all_reduce_stays_close_to_float32(compression: str, tolerance: float) -> None:
@@ -380,7 +380,6 @@ def _summing_regressor(
             (None, {}),
             (None, {"jit_compile": True}),
         ],
-        ["plain", "steps_per_execution", "jit_compile", "accumulation_steps", "none", "none-jit"],
         {
             "steps_per_execution": "plain",
             "accumulation_steps": "plain",
@@ -388,6 +387,14 @@ def _summing_regressor(
             "none-jit": "jit_compile",
         },
         "tests/training/test_equivalence.py::test_a_loss_summed_over_the_batch_is_one_devices_sum",
+        ids=[
+            "plain",
+            "steps_per_execution",
+            "jit_compile",
+            "accumulation_steps",
+            "none",
+            "none-jit",
+        ],
     ),
 )
 def test_a_loss_summed_over_the_batch_is_one_devices_sum(
@@ -560,10 +567,10 @@ def _sums_in_compute_loss(strategy: tf.distribute.Strategy | None, way: str) -> 
             ("listed", {}),
             ("keras_io", {"jit_compile": True}),
         ],
-        ["keras_io", "global_batch", "listed", "keras_io-jit"],
         {"global_batch": "keras_io", "listed": "keras_io", "keras_io-jit": "keras_io"},
         "tests/training/test_equivalence.py::"
         "test_a_compute_loss_override_that_sums_over_the_batch_is_one_devices_sum",
+        ids=["keras_io", "global_batch", "listed", "keras_io-jit"],
     ),
 )
 def test_a_compute_loss_override_that_sums_over_the_batch_is_one_devices_sum(

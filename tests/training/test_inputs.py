@@ -610,13 +610,13 @@ _GENERATOR_INPUTS = [
     ("kind", "how"),
     tiered(
         _GENERATOR_INPUTS,
-        [f"{kind}-{how}" for kind, how in _GENERATOR_INPUTS],
         {
             "py_dataset-prepare": "generator-prepare",
             "generator-tfscale.fit": "py_dataset-tfscale.fit",
         },
         "tests/training/test_inputs.py::"
         "test_generator_inputs_leave_the_users_arrays_unchanged_and_train_as_one_device",
+        ids=[f"{kind}-{how}" for kind, how in _GENERATOR_INPUTS],
     ),
 )
 def test_generator_inputs_leave_the_users_arrays_unchanged_and_train_as_one_device(

@@ -151,7 +151,6 @@ def _embedding_model(strategy: tf.distribute.Strategy, optimizer: Any) -> keras.
     "variant",
     tiered(
         ["sparse_gradient", "accumulation_steps", "jit_compile", "steps_per_execution"],
-        ["sparse_gradient", "accumulation_steps", "jit_compile", "steps_per_execution"],
         dict.fromkeys(
             ["sparse_gradient", "jit_compile", "steps_per_execution"], "accumulation_steps"
         ),

@@ -98,7 +98,6 @@ def _inputs(kind: str, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
     "kind",
     tiered(
         ["arrays", "tf.data", "repeated tf.data"],
-        ["arrays", "tf.data", "repeated tf.data"],
         {"repeated tf.data": "tf.data"},
         "tests/training/test_steps_per_call.py::"
         "test_several_steps_per_call_give_one_devices_weights_history_and_updates",
@@ -306,10 +305,10 @@ def _custom_logs_model() -> keras.Model:
     "steps",
     tiered(
         [None, 1, 4],
-        ["None", "1", "4"],
         {"1": "None"},
         "tests/training/test_steps_per_call.py::"
         "test_python_and_numpy_numbers_in_a_steps_logs_give_one_devices_history",
+        ids=["None", "1", "4"],
     ),
 )
 def test_python_and_numpy_numbers_in_a_steps_logs_give_one_devices_history(

@@ -138,13 +138,13 @@ _PAIRS = [(replicas, name) for replicas in (0, 2) for name in MODELS]
     ("replicas", "name"),
     tiered(
         _PAIRS,
-        [f"{replicas}-{name}" for replicas, name in _PAIRS],
         {
             **{f"0-{name}": f"2-{name}" for name in MODELS if name != "lstm+gru"},
             "0-lstm+gru": _OPTION_TEST,
             "2-lstm+gru": _OPTION_TEST,
         },
         _JIT_TEST,
+        ids=[f"{replicas}-{name}" for replicas, name in _PAIRS],
     ),
 )
 def test_jit_trains_to_the_weights_of_keras_one_device_jit(replicas: int, name: str) -> None:

@@ -217,10 +217,11 @@ def param(case: Case, full: tuple[str, ...] = ()) -> Any:
 def tiered(case: Case, full: dict[str, str], test: str) -> Any:
     """``case`` as ``test``'s parameter: in ``make test-full`` where ``full`` names its
     ``make test`` equivalent (a case of ``test``, or a node id), else in ``make test``."""
+    from ..helpers import equivalent_id
+
     if case.name not in full:
         return param(case)
-    equivalent = full[case.name]
-    return param(case, full=(equivalent if "::" in equivalent else f"{test}[{equivalent}]",))
+    return param(case, full=(equivalent_id(full[case.name], test),))
 
 
 def run_case(
