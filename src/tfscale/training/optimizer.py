@@ -386,7 +386,7 @@ class DistributedUpdate:
             return True
         if not self.optimizer.built:
             return False
-        return any(_overwritten(v) for v in internals.optimizer_trainable_variables(self.optimizer))
+        return _quantizes(internals.optimizer_trainable_variables(self.optimizer))
 
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> Any:
         """The optimizer's ``apply`` (see the module docstring)."""
@@ -711,6 +711,12 @@ def _overwritten(variable: Any) -> bool:
     return bool(getattr(variable, "overwrite_with_gradient", False))
 
 
+def _quantizes(variables: Sequence[Any]) -> bool:
+    """Whether a layer owning some of ``variables`` quantizes to float8: Keras overwrites
+    its scales and amax histories with their "gradient"."""
+    return any(_overwritten(v) for v in variables)
+
+
 def _refuse_unscaled_float8(step: StepContext, variables: Sequence[Any]) -> None:
     """A float8 model's step over N replicas whose backward pass cannot carry one device's
     magnitudes: refused as it is traced, before its first update.
@@ -725,7 +731,7 @@ def _refuse_unscaled_float8(step: StepContext, variables: Sequence[Any]) -> None
     magnitudes still: measured on 2 replicas, weights 0.06 and 0.7-1.8 from one device's,
     the scales and histories up to 2x.
     """
-    if not any(_overwritten(v) for v in variables):
+    if not _quantizes(variables):
         return
     if step.gathered:
         raise TrainingError(
