@@ -247,7 +247,7 @@ def test_nothing_a_fit_that_gathers_traced_outlives_it() -> None:
                     strategy=strategy_for(2))  # fmt: skip
 
     traced, alive = graphs_left_alive(fit)
-    assert len(traced) > 5 and any("one_step" in name for name in traced), traced
+    assert len(traced) > 5 and any("multi_step" in name for name in traced), traced
     assert not alive, f"graphs of a finished fit still alive: {alive}"
 
 

@@ -300,6 +300,15 @@ class EpochOrder:
         replicas: 1: the dataset yields global batches (for tf.distribute to split); N: it
             yields the N replicas' shares of each global batch in turn, as
             ``distribute_datasets_from_function`` on one worker hands them out.
+        endless: Repeat the epochs' batches forever, for a distributed dataset on one
+            worker. Keras runs ``steps_per_epoch`` steps per epoch either way (it reads a
+            length unknown or infinite alike), and tf.distribute reads an infinite dataset
+            without its partial-batch handling, a ``cond`` around each replica's read traced
+            into every train function (0.05 CPU-s of a small fit on 2 replicas,
+            benchmarks/fit_cost.py): every replica gets its share of every batch, empty
+            ones included, so there is no partial batch to handle. Not for a fit that
+            checkpoints: a resumed run's first epoch, its trained batches skipped, ends
+            where the data ends.
 
     Attributes:
         dataset: The dataset to give Keras (with ``steps_per_epoch``).
@@ -315,6 +324,7 @@ class EpochOrder:
         shuffle: bool,
         seed: int,
         replicas: int = 1,
+        endless: bool = False,
     ) -> None:
         x, y, sample_weight = arrays
         # Lists become tuples, as Keras's array adapter makes them: tf.data would stack a
@@ -353,7 +363,9 @@ class EpochOrder:
             tf.data.experimental.AutoShardPolicy.DATA
         )
         # (flat_map leaves its length unknown, as Keras's loop over all epochs needs:
-        # see _length_hidden.)
+        # see _length_hidden; repeat() makes it infinite, which Keras reads alike.)
+        if endless:
+            dataset = dataset.repeat()
         self.dataset = dataset.with_options(options).prefetch(tf.data.AUTOTUNE)
 
 
@@ -459,7 +471,7 @@ def plan_inputs(
         replicas = strategy.num_replicas_in_sync if one_worker else 1
         order = EpochOrder(
             (x, y, sample_weight), batch_size, epochs=epochs, shuffle=bool(shuffle), seed=seed,
-            replicas=replicas,
+            replicas=replicas, endless=one_worker and not resumable,
         )  # fmt: skip
         dataset = order.dataset
         if one_worker:
