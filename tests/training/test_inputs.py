@@ -556,6 +556,53 @@ def test_arrays_are_cut_per_replica_by_graph_ops_alone_as_tf_distribute_splits_t
     assert ops(made_in_python) & python  # what the check finds when Python is there
 
 
+def _reads_of_train_function(fit: Any) -> set[str]:
+    """The iterator ops the train function that ``fit()`` traced reads its batches with;
+    checks that it traced its step inline (no nested function: one multi-device function
+    fewer for TensorFlow to instantiate, 0.04 CPU-s of a small fit)."""
+    import gc
+
+    def graphs() -> dict[int, Any]:
+        return {id(o): o for o in gc.get_objects() if type(o).__name__ == "FuncGraph"}
+
+    before = graphs()
+    fit()
+    traced = [g for i, g in graphs().items() if i not in before]
+    steps = [g for g in traced if "multi_step" in g.name]
+    assert steps, "the fit traced no train function"
+    assert not [g.name for g in traced if "one_step" in g.name]
+    return {op.type for g in steps for op in g.get_operations() if op.type.startswith("Iterator")}
+
+
+def test_an_array_fits_train_function_is_one_function_without_partial_batch_conds(
+    tmp_path: Path,
+) -> None:
+    """A small fit's own cost (#41). Its train function traces the step inline; and on one
+    worker, an array fit's epochs repeat endlessly: tf.distribute reads an infinite
+    dataset without its partial-batch handling (an optional and a ``cond`` per replica
+    around each read, traced and instantiated with every train function: 0.05 of a small
+    fit's 0.6 CPU-s, benchmarks/fit_cost.py), and each epoch still runs its steps, uneven
+    last batch included. A fit that checkpoints keeps the finite epochs (a resumed epoch
+    ends where its data ends) and the conds, which is what the check sees."""
+    x, y = DATA
+    x, y = x[:90], y[:90]  # two batches of 32 and one of 26 an epoch
+    strategy = strategy_for(2)
+    model = tiny_model(strategy)
+
+    def fit(**kw: Any) -> None:
+        tfscale.fit(model, x, y, batch_size=32, epochs=2, shuffle=False, verbose=0,
+                    strategy=strategy, steps_per_execution=1, **kw)  # fmt: skip
+
+    assert _reads_of_train_function(fit) == {"IteratorGetNext"}
+    assert int(model.optimizer.iterations.numpy()) == 6
+    expected = reference_weights(x, y, batch=32, steps=3, epochs=2)
+    assert relative_difference(model.get_weights(), expected) <= 1e-5
+    model = tiny_model(strategy)
+    assert "IteratorGetNextAsOptional" in _reads_of_train_function(
+        lambda: fit(checkpoint_dir=str(tmp_path))
+    )
+
+
 # -- generator-backed inputs: TensorFlow writes into the user's arrays --------------------------
 def test_tensorflow_writes_into_generator_arrays_under_mirrored_strategy() -> None:
     """The upstream bug :func:`tfscale.training.data.copied_batches` guards against, with
