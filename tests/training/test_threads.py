@@ -204,9 +204,10 @@ def test_two_fits_sharing_one_strategy_give_their_weights_alone_200_times() -> N
 
     def run(index: int) -> list[np.ndarray]:
         resets[index]()
-        # One step per call and two epochs of 3 batches, so that one fit makes its second
-        # epoch's multi-device iterator while the other reads (where reads go astray, see
-        # training/turns.py); making one takes 0.15-0.3 s, mostly waiting.
+        # One step per call, two epochs of 3 batches read from one multi-device iterator
+        # (tfscale.fit's array epochs): each repeat's fits make theirs while the other may
+        # be reading (where reads go astray, see training/turns.py); making one takes
+        # 0.15-0.3 s, mostly waiting.
         x, y = _data(index + 1)
         tfscale.fit(models[index], x[:48], y[:48], batch_size=16, epochs=2, shuffle=False,
                     verbose=0, strategy=shared, steps_per_execution=1)  # fmt: skip
