@@ -50,7 +50,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfscale
-from tfscale.testing import mirrored_on_cpus, relative_difference
+from tfscale.testing import live_graphs, mirrored_on_cpus, relative_difference
 from tfscale.workloads import build_model, synthetic_classification
 
 FEATURES, CLASSES, EXAMPLES, BATCH, EPOCHS = 12, 4, 256, 32, 2
@@ -120,10 +120,6 @@ def _resident_mib() -> float:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _graphs() -> set[int]:
-    return {id(o) for o in gc.get_objects() if type(o).__name__ == "FuncGraph"}
-
-
 def _sweep(
     sides: dict[str, Callable[..., keras.Model]], x: Any, y: Any, initial: Any, n: int
 ) -> None:
@@ -134,11 +130,11 @@ def _sweep(
         for _ in range(WARM_FITS):  # its first fits: what is made once per process
             fit(x, y, initial)
         gc.collect()
-        graphs, start = _graphs(), _resident_mib()
+        graphs, start = set(live_graphs()), _resident_mib()
         for _ in range(n):
             fit(x, y, initial)
         gc.collect()
-        left = len(_graphs() - graphs)
+        left = len(set(live_graphs()) - graphs)
         print(f"| {name} | {(_resident_mib() - start) / n:.2f} | {left} |")
 
 

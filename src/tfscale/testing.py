@@ -25,8 +25,10 @@ __all__ = [
     "child_pids",
     "descendants",
     "graphs_left_alive",
+    "graphs_traced_by",
     "groups_alive",
     "in_process_parameter_servers",
+    "live_graphs",
     "mirrored_on_cpus",
     "paired_ratios",
     "relative_difference",
@@ -76,6 +78,20 @@ def run_python(
     return done
 
 
+def live_graphs() -> dict[int, Any]:
+    """Every traced graph (``FuncGraph``) alive in the process, by ``id``: a caller takes
+    them before and after some code to see what it traced or left alive."""
+    return {id(o): o for o in gc.get_objects() if type(o).__name__ == "FuncGraph"}
+
+
+def graphs_traced_by(run: Callable[[], None]) -> list[Any]:
+    """The graphs ``run()`` traced that are still alive when it returns (strong
+    references: drop them to let them go)."""
+    before = live_graphs()
+    run()
+    return [g for i, g in live_graphs().items() if i not in before]
+
+
 def graphs_left_alive(fit: Callable[[], None]) -> tuple[list[str], list[str]]:
     """What a finished ``fit()`` leaves of the graphs it traced: runs it, then once more (a
     graph the first left to a cache would be freed by then), collects garbage.
@@ -86,12 +102,7 @@ def graphs_left_alive(fit: Callable[[], None]) -> tuple[list[str], list[str]]:
         renamed graph class cannot make an empty list pass.
     """
 
-    def graphs() -> dict[int, Any]:
-        return {id(o): o for o in gc.get_objects() if type(o).__name__ == "FuncGraph"}
-
-    before = graphs()
-    fit()
-    traced = [weakref.ref(g) for i, g in graphs().items() if i not in before]
+    traced = [weakref.ref(g) for g in graphs_traced_by(fit)]
     names = sorted(str(getattr(r(), "name", "")) for r in traced)
     fit()
     gc.collect()

@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import tfscale
-from tfscale.testing import relative_difference
+from tfscale.testing import graphs_traced_by, relative_difference
 from tfscale.training import Trainer
 from tfscale.training.data import RELEASE_THREAD, EpochOrder, FitInputs
 from tfscale.training.prepare import prepared
@@ -560,14 +560,7 @@ def _reads_of_train_function(fit: Any) -> set[str]:
     """The iterator ops the train function that ``fit()`` traced reads its batches with;
     checks that it traced its step inline (no nested function: one multi-device function
     fewer for TensorFlow to instantiate, 0.04 CPU-s of a small fit)."""
-    import gc
-
-    def graphs() -> dict[int, Any]:
-        return {id(o): o for o in gc.get_objects() if type(o).__name__ == "FuncGraph"}
-
-    before = graphs()
-    fit()
-    traced = [g for i, g in graphs().items() if i not in before]
+    traced = graphs_traced_by(fit)
     steps = [g for g in traced if "multi_step" in g.name]
     assert steps, "the fit traced no train function"
     assert not [g.name for g in traced if "one_step" in g.name]
