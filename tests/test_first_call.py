@@ -46,10 +46,11 @@ _LOOKUP_EQUIVALENT = (
 )
 
 
-# `make test` calls fit and prepare first in a fresh process (the entries a training script
-# starts with); the other called names run in `make test-full`, naming fit's (the same import
-# hook splits the CPU before TensorFlow's runtime starts, whichever name is called first).
-_IN_MAKE_TEST = ("fit", "prepare")
+# `make test` calls fit first in a fresh process (the entry a training script starts with);
+# the other called names, prepare among them, run in `make test-full`, naming fit's (the same
+# import hook splits the CPU before TensorFlow's runtime starts, whichever name is called
+# first).
+_IN_MAKE_TEST = ("fit",)
 _CALLED_ELSEWHERE = pytest.mark.full(_LOOKUP_EQUIVALENT)
 
 

@@ -357,10 +357,11 @@ print("RESULT " + json.dumps({"kind": choice.kind, "replicas": choice.num_replic
 
 @pytest.mark.multiprocess
 # make test resolves the same strategy in the 2 workers `tfscale launch` starts
-# (tests/launch/data/mwms_train.py: choose_strategy(strict=True)) and trains them to
-# MirroredStrategy's weights; this pair of children adds the ops and the declared devices.
+# (tests/launch/data/elastic_train.py: choose_strategy) and trains them to the uninterrupted
+# run's weights; this pair of children adds the ops and the declared devices.
 @pytest.mark.full(
-    "tests/launch/test_jobs.py::test_two_workers_equal_mirrored_over_two_logical_cpus"
+    "tests/launch/test_elastic_jobs.py::"
+    "test_job_losing_worker_2_finishes_on_2_with_the_uninterrupted_weights[arrays]"
 )
 def test_real_two_worker_multi_worker_mirrored() -> None:
     workers = [f"127.0.0.1:{port}" for port in free_ports(2)]

@@ -101,6 +101,10 @@ def test_summarize_judges_only_scripts_with_a_multi_replica_strategy() -> None:
     assert crashed.crashed and exit_status(crashed) == 137
 
 
+@pytest.mark.full(
+    "tests/doctor/test_docs.py::test_documented_doctor_command_runs_as_"
+    "documented[doctor --script examples/train_outside_scope.py]",
+)
 def test_variables_moved_into_the_scope_by_tfscale_fit_are_no_problem(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -153,6 +157,10 @@ def test_the_tables_fold_long_sites_instead_of_cutting_them() -> None:
     assert f"outside,thenmovedin:tfscale.fix_scopeat{site}" in scope.replace(" ", ""), out
 
 
+@pytest.mark.full(
+    "tests/doctor/test_docs.py::test_documented_doctor_command_runs_as_"
+    "documented[doctor --script examples/train_outside_scope.py]",
+)
 def test_model_fit_over_a_pydataset_under_mirrored_is_reported_unless_prepared(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

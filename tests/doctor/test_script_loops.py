@@ -29,6 +29,9 @@ def _flat(text: str) -> str:
     return " ".join(text.split())
 
 
+@pytest.mark.full(
+    "tests/doctor/test_script_loops.py::test_a_loop_whose_update_is_n_times_one_device_is_named",
+)
 def test_an_optimizer_built_inside_strategy_run_is_named_with_its_line_and_the_fix(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -65,6 +68,9 @@ def test_a_loop_whose_update_is_n_times_one_device_is_named(
     assert "tfscale.prepare_loop(model, optimizer)" in out
 
 
+@pytest.mark.full(
+    "tests/doctor/test_script_loops.py::test_a_loop_whose_update_is_n_times_one_device_is_named",
+)
 def test_the_loop_with_prepare_loop_passes(capsys: pytest.CaptureFixture[str]) -> None:
     status = run_script(["tests/doctor/data/loop_lazy_adam.py", "--prepared"], timeout=150)
     out = _flat(capsys.readouterr().out)

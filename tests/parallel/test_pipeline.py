@@ -78,6 +78,9 @@ def test_pipeline_shares_the_original_weights(cpu_devices: list[str]) -> None:
     assert [id(v) for v in piped.trainable_variables] == [id(v) for v in model.trainable_variables]
 
 
+@pytest.mark.full(
+    "tests/parallel/test_pipeline.py::test_keras_fit_gives_the_same_weights",
+)
 def test_gradient_tape_training_gives_the_same_weights(cpu_devices: list[str]) -> None:
     def train(model: keras.Model) -> list[np.ndarray]:
         optimizer = keras.optimizers.Adam(0.01)
@@ -188,6 +191,11 @@ def test_weights_move_to_their_stage_device_and_stay_shared(cpu_devices: list[st
     assert relative_difference(model.get_weights(), before) > 1e-3
 
 
+@pytest.mark.full(
+    "tests/parallel/test_pipeline.py::test_keras_fit_gives_the_same_weights",
+    "tests/parallel/test_pipeline.py::test_a_tfscale_fit_of_a_pipeline_leaves_"
+    "nothing_it_traced_alive",
+)
 def test_tfscale_fit_trains_the_pipeline_to_the_unsplit_weights(cpu_devices: list[str]) -> None:
     x, y = data(seed=21, n=4 * BATCH)
     reference = build()

@@ -93,7 +93,8 @@ def _wide_model() -> Any:
 @pytest.mark.slow
 @pytest.mark.full(
     "tests/profiling/test_bench.py::test_verify_measures_advised_gradient_compression",
-    "tests/profiling/test_bench.py::test_workers_need_an_importable_model_and_report_a_failing_worker",
+    "tests/profiling/test_stragglers.py::"
+    "test_profile_of_two_workers_names_the_one_whose_input_sleeps",
 )
 def test_dominant_communication_across_workers_advice_and_verify() -> None:
     """Two worker processes (MultiWorkerMirroredStrategy over gRPC on 127.0.0.1): the
@@ -173,6 +174,9 @@ def _seeded_model() -> Any:
 
 
 @pytest.mark.tf
+@pytest.mark.full(
+    "tests/profiling/test_bench.py::test_verify_measures_advised_gradient_compression",
+)
 def test_a_measured_step_all_reduces_in_the_compression_it_is_given() -> None:
     """What --verify measures for compress-gradients: the same updates as float32 but for
     bfloat16 rounding of the summed gradient (0.0 apart would mean float32 ran)."""
@@ -195,6 +199,10 @@ def test_a_measured_step_all_reduces_in_the_compression_it_is_given() -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.full(
+    "tests/profiling/test_stragglers.py::test_profile_of_two_workers_names_the_one_"
+    "whose_input_sleeps",
+)
 def test_workers_need_an_importable_model_and_report_a_failing_worker() -> None:
     from tfscale.errors import ProfileError
     from tfscale.profiling.workers import model_spec

@@ -203,9 +203,17 @@ def launch(job: Path, args: list[str], timeout: float) -> Any:
     return done
 
 
-def equivalent_id(equivalent: str, test: str) -> str:
+def equivalent_id(equivalent: str, test: str, full: dict[str, str] | None = None) -> str:
     """A ``full`` test's ``make test`` equivalent as a node id: ``equivalent`` itself where it
-    is one, else a parameter id of ``test``."""
+    is one, else a parameter id of ``test``; where that parameter is in ``full`` too (a path
+    whose own test moved to ``make test-full``, naming its feature's), the one it names, in
+    turn."""
+    seen = {equivalent}
+    while full and "::" not in equivalent and equivalent in full:
+        equivalent = full[equivalent]
+        if equivalent in seen:
+            raise ValueError(f"{test}: the full table's equivalents go round: {sorted(seen)}")
+        seen.add(equivalent)
     return equivalent if "::" in equivalent else f"{test}[{equivalent}]"
 
 
@@ -221,6 +229,6 @@ def tiered(
     params = []
     for value, name in zip(values, ids or [str(v) for v in values], strict=True):
         arguments = value if isinstance(value, tuple) else (value,)
-        marks = [pytest.mark.full(equivalent_id(full[name], test))] if name in full else []
+        marks = [pytest.mark.full(equivalent_id(full[name], test, full))] if name in full else []
         params.append(pytest.param(*arguments, id=name, marks=marks))
     return params

@@ -73,7 +73,7 @@ def _one_device(build: Callable[[], Any], epochs: int) -> Any:
     "name",
     tiered(
         sorted(BUILDS),
-        {"adamw_excluding_a_weight": "adam"},
+        {"adamw_excluding_a_weight": "adam", "loss_scale_optimizer": "adam"},
         "tests/training/test_adopt.py::"
         "test_a_model_trained_outside_the_scope_continues_its_optimizer",
     ),
@@ -90,6 +90,10 @@ def test_a_model_trained_outside_the_scope_continues_its_optimizer(name: str) ->
     assert relative_difference(state, [v.numpy() for v in expected.optimizer.variables]) <= 1e-4
 
 
+@pytest.mark.full(
+    "tests/training/test_adopt.py::test_model_built_outside_the_scope_trains_in_"
+    "place_and_keeps_its_optimizer",
+)
 def test_a_saved_and_loaded_model_continues_under_tfscale(tmp_path: Path) -> None:
     """TensorFlow's save-and-load tutorial: trained under a strategy, saved, loaded without
     one (its optimizer built, with its state), and trained again under a strategy."""
@@ -142,6 +146,10 @@ def test_a_loop_optimizer_stepped_outside_the_scope_continues_in_a_prepared_loop
     assert relative_difference(model.get_weights(), expected.get_weights()) <= TOLERANCE
 
 
+@pytest.mark.full(
+    "tests/training/test_adopt.py::test_a_model_trained_outside_the_scope_continues_"
+    "its_optimizer[adam]",
+)
 def test_a_model_trained_on_one_strategy_continues_on_another() -> None:
     """Two replicas, then four (more devices, or an explicit strategy after the chosen one):
     the second strategy moves the variables again, and the optimizer's tables with them."""

@@ -11,15 +11,21 @@ import tfscale
 from tfscale.testing import graphs_left_alive
 from tfscale.training.allreduce import buckets
 
-from .helpers import DATA, strategy_for, tiny_model
+from .helpers import DATA, strategy_for, tiered, tiny_model
 
 pytestmark = pytest.mark.tf
 
 
+# `make test` runs the replicated update; sharded state and remat (the same release of what
+# the fit traced) in `make test-full`.
 @pytest.mark.parametrize(
     ("sharded", "remat"),
-    [(False, False), (True, False), (False, True)],
-    ids=["replicated", "sharded", "remat"],
+    tiered(
+        [(False, False), (True, False), (False, True)],
+        {"sharded": "replicated", "remat": "replicated"},
+        "tests/training/test_allreduce.py::test_nothing_a_fit_traced_outlives_it",
+        ids=["replicated", "sharded", "remat"],
+    ),
 )
 def test_nothing_a_fit_traced_outlives_it(sharded: bool, remat: bool) -> None:
     """Every graph a fit traced (its step, the guard's branches with the update of every

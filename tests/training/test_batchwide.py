@@ -177,8 +177,9 @@ _LOSS_IDS = [
 ]
 
 
-# `make test` runs the summed loss over the whole batch and the mean over the local rows (the
-# two corrections of Prepared.compute_loss); the other four in `make test-full`.
+# `make test` runs the mean over the local rows (one of the two corrections of
+# Prepared.compute_loss); the summed loss over the whole batch (the other) and the other four
+# in `make test-full`.
 @pytest.mark.parametrize(
     ("reduce", "local"),
     tiered(
@@ -188,6 +189,7 @@ _LOSS_IDS = [
             "mean-whole_batch": "sum-whole_batch",
             "vector-local": "mean-local",
             "sum-local": "mean-local",
+            "sum-whole_batch": "mean-local",
         },
         "tests/training/test_batchwide.py::"
         "test_a_contrastive_loss_over_gathered_embeddings_is_one_devices",
@@ -211,6 +213,10 @@ def test_a_contrastive_loss_over_gathered_embeddings_is_one_devices(
         assert relative_difference(history.history[key], values) <= 1e-5, key
 
 
+@pytest.mark.full(
+    "tests/training/test_batchwide.py::test_a_contrastive_loss_over_gathered_"
+    "embeddings_is_one_devices[mean-local]",
+)
 def test_without_the_gather_each_replica_compares_only_its_share() -> None:
     """keras-io's dual encoder unchanged: each replica's negatives are its own share of the
     batch, and the weights end far from one device's."""
@@ -235,6 +241,9 @@ def test_gather_batch_is_refused_outside_tfscales_step_and_under_xla() -> None:
     assert tfscale.gather_batch(one) is one  # no strategy: the value itself
 
 
+@pytest.mark.full(
+    "tests/training/test_allreduce.py::test_nothing_a_fit_traced_outlives_it[replicated]",
+)
 def test_nothing_a_fit_that_gathers_traced_outlives_it() -> None:
     """The gather's ``tf.custom_gradient`` registers its gradient function in TensorFlow's
     process-wide registry, which would keep the step alive (tensorflow/tensorflow#97697);

@@ -161,7 +161,7 @@ def _float8_state(model: keras.Model) -> list[tuple[str, np.ndarray]]:
     ("batch", "clip"),
     tiered(
         [(16, None), (15, None), (16, 0.5)],
-        {"even": "uneven"},
+        {"even": "uneven", "global_clipnorm": "uneven"},
         "tests/training/test_clip_precision.py::"
         "test_float8_training_on_2_replicas_is_one_device_over_the_2_shares",
         ids=["even", "uneven", "global_clipnorm"],

@@ -64,6 +64,10 @@ def test_the_multi_worker_tutorial_loop_with_one_line_gives_one_device_weights()
     assert int(two[-1]) == int(one[-1]) == 8
 
 
+@pytest.mark.full(
+    "tests/training/test_custom_loops.py::test_the_tutorial_loop_with_one_line_gives_"
+    "one_device_weights",
+)
 def test_the_dcgan_tutorial_loop_gives_one_device_weights_for_both_models() -> None:
     """Two prepared models and optimizers made outside any scope (the optimizers were built
     for the default strategy: "Mixing different tf.distribute.Strategy objects"), and two
@@ -81,6 +85,10 @@ def test_the_dcgan_tutorial_loop_gives_one_device_weights_for_both_models() -> N
     assert [int(n) for n in two[-2:]] == [int(n) for n in one[-2:]] == [8, 8]
 
 
+@pytest.mark.full(
+    "tests/training/test_custom_loops.py::test_the_keras_guides_eager_loop_with_one_"
+    "line_gives_one_device_weights",
+)
 def test_the_keras_guide_loop_with_one_line_gives_one_device_weights() -> None:
     x, y = DATA
     one = guide_loop(strategy_for(0), None, x, y)
@@ -301,6 +309,10 @@ def test_sparse_embedding_gradients_stay_sparse() -> None:
     assert seen and seen[0] is tf.IndexedSlices
 
 
+@pytest.mark.full(
+    "tests/training/test_checkpoint.py::test_crash_mid_epoch_resumes_from_the_last_"
+    "step_checkpoint[mid-run]",
+)
 def test_a_checkpoint_of_a_prepared_loop_resumes_to_the_uninterrupted_weights(
     tmp_path: Path,
 ) -> None:

@@ -37,8 +37,8 @@ def _reference(optimizer: str, batch: int) -> list[object]:
 _REPLICAS = [(replicas, optimizer) for replicas in (0, 1, 2, 4) for optimizer in ("sgd", "adam")]
 
 
-# `make test` runs 2 replicas with SGD and 4 with Adam; the other counts and optimizers (the
-# same fit and update; an optimizer's own step is Keras's) run in `make test-full`.
+# `make test` runs 2 replicas with SGD; the other counts and optimizers (the same fit and
+# update; an optimizer's own step is Keras's) run in `make test-full`.
 @pytest.mark.parametrize(
     ("replicas", "optimizer"),
     tiered(
@@ -50,6 +50,7 @@ _REPLICAS = [(replicas, optimizer) for replicas in (0, 1, 2, 4) for optimizer in
             "1-adam": "4-adam",
             "2-adam": "4-adam",
             "4-sgd": "2-sgd",
+            "4-adam": "2-sgd",
         },
         "tests/training/test_equivalence.py::test_replicas_give_the_weights_of_one_device",
         ids=[f"{r}-{o}" for r, o in _REPLICAS],
@@ -115,6 +116,12 @@ def test_exactly_one_gradient_all_reduce_per_update_with_k_4() -> None:
     assert int(model.optimizer.iterations.numpy()) == 3
 
 
+@pytest.mark.full(
+    "tests/training/test_steps_per_call.py::test_several_steps_per_call_give_one_"
+    "devices_weights_history_and_updates[arrays]",
+    "tests/training/test_equivalence.py::test_remat_recomputes_the_forward_pass_in_"
+    "the_backward_pass",
+)
 def test_steps_per_execution_remat_and_jit_change_nothing() -> None:
     x, y = DATA
     strategy = strategy_for(2)
@@ -133,7 +140,7 @@ def test_steps_per_execution_remat_and_jit_change_nothing() -> None:
 
 
 @pytest.mark.full(
-    "tests/training/test_equivalence.py::test_steps_per_execution_remat_and_jit_change_nothing"
+    "tests/training/test_equivalence.py::test_remat_recomputes_the_forward_pass_in_the_backward_pass"
 )
 def test_remat_under_a_mixed_policy_gives_the_weights_without_remat() -> None:
     """Remat recomputes each layer's call in the backward pass, outside the layer's autocast
@@ -150,6 +157,11 @@ def test_remat_under_a_mixed_policy_gives_the_weights_without_remat() -> None:
     assert relative_difference(runs[1], runs[0]) <= 1e-6
 
 
+@pytest.mark.full(
+    "tests/training/test_equivalence.py::test_replicas_give_the_weights_of_one_device[2-sgd]",
+    "tests/training/test_inputs.py::test_generator_inputs_leave_the_users_arrays_"
+    "unchanged_and_train_as_one_device[generator-prepare]",
+)
 def test_arrays_dataset_fn_and_batched_dataset_are_the_same_input() -> None:
     x, y = DATA
     strategy = strategy_for(2)
@@ -169,6 +181,10 @@ def test_arrays_dataset_fn_and_batched_dataset_are_the_same_input() -> None:
     assert model.optimizer.iterations.numpy() == 2 * len(x) // BATCH
 
 
+@pytest.mark.full(
+    "tests/training/test_equivalence.py::test_a_global_batch_the_replicas_do_not_"
+    "divide_is_the_single_device_mean",
+)
 def test_a_short_last_batch_split_unevenly_is_still_the_single_device_mean() -> None:
     x, y = DATA
     x, y = x[:250], y[:250]  # 7 batches of 32, then 26 examples: 7, 7, 6, 6 on 4 replicas
@@ -185,6 +201,10 @@ def _mean_of_batch(y: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
     return tf.reduce_sum(losses) / tf.cast(tf.size(losses), losses.dtype)
 
 
+@pytest.mark.full(
+    "tests/training/test_equivalence.py::test_a_global_batch_the_replicas_do_not_"
+    "divide_is_the_single_device_mean",
+)
 def test_replicas_left_without_examples_neither_stop_training_nor_poison_the_loss() -> None:
     x, y = DATA
     x, y = x[:226], y[:226]  # 7 batches of 32, then 2 examples: 1, 1, 0, 0 on 4 replicas
@@ -246,6 +266,9 @@ def test_the_default_strategy_trains_like_one_device() -> None:
     assert relative_difference(model.get_weights(), _reference("adam", BATCH)) <= 1e-5
 
 
+@pytest.mark.full(
+    "tests/training/test_equivalence.py::test_exactly_one_gradient_all_reduce_per_update_with_k_4",
+)
 def test_bucketed_all_reduce_gives_the_packed_weights_with_one_collective_per_bucket() -> None:
     x, y = DATA
     strategy = strategy_for(2)
@@ -290,6 +313,10 @@ def test_compressed_all_reduce_stays_close_to_float32(compression: str, toleranc
     assert relative_difference(untrained, expected) > 10 * tolerance
 
 
+@pytest.mark.full(
+    "tests/training/test_equivalence.py::test_compressed_all_reduce_stays_close_to_"
+    "float32[bf16-0.02]",
+)
 def test_each_step_function_keeps_its_own_communication_options() -> None:
     """Two trainers of one model (profiling's with and without the all-reduce) share the
     optimizer's distributed update: the one built first still all-reduces in bf16 buckets
@@ -323,6 +350,11 @@ def test_unknown_gradient_compression_is_refused() -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.full(
+    "tests/training/test_steps_per_call.py::test_several_steps_per_call_give_one_"
+    "devices_weights_history_and_updates[arrays]",
+    "tests/training/test_multiworker.py::test_two_workers_equal_mirrored_over_two_cpus",
+)
 def test_several_steps_per_call_under_mirroreds_default_collective_all_reduce() -> None:
     """Keras's own fit fails there with steps_per_execution > 1 ("You must feed a value for
     placeholder tensor"); in a fresh process, because a second collective MirroredStrategy
@@ -367,8 +399,8 @@ def _summing_regressor(
     return model
 
 
-# `make test` runs the sum plain and under XLA; the sum under several steps per call or
-# accumulation, and Keras's None (differentiated as the same sum), in `make test-full`.
+# `make test` runs the sum plain; under XLA, several steps per call or accumulation, and
+# Keras's None (differentiated as the same sum), in `make test-full`.
 @pytest.mark.parametrize(
     ("reduction", "options"),
     tiered(
@@ -385,6 +417,7 @@ def _summing_regressor(
             "accumulation_steps": "plain",
             "none": "plain",
             "none-jit": "jit_compile",
+            "jit_compile": "plain",
         },
         "tests/training/test_equivalence.py::test_a_loss_summed_over_the_batch_is_one_devices_sum",
         ids=[

@@ -89,6 +89,10 @@ def test_the_old_clipnorm_is_refused_naming_global_clipnorm_and_kerass_own() -> 
     assert relative_difference(model.get_weights(), before) == 0.0
 
 
+@pytest.mark.full(
+    "tests/training/test_inputs.py::test_generator_inputs_leave_the_users_arrays_"
+    "unchanged_and_train_as_one_device[generator-prepare]",
+)
 def test_numpy_integers_are_taken_wherever_model_fit_takes_them() -> None:
     x, y = DATA
     integers = {
@@ -174,6 +178,12 @@ class _Protocol(keras.callbacks.Callback):
         self.end_logs = dict(logs or {})
 
 
+@pytest.mark.full(
+    "tests/training/test_parity_examples.py::test_cases_across_two_worker_processes_"
+    "match_one_device[paths_across_workers]",
+    "tests/training/test_parity.py::test_tfscale_fit_matches_one_device_model_"
+    "fit[callback_methods_keys]",
+)
 def test_keras_callbacks_and_distributed_validation(tmp_path: Path) -> None:
     x, y = DATA
     strategy = strategy_for(2)
@@ -223,6 +233,10 @@ class _BatchLogs(keras.callbacks.Callback):
         self.logs.append({k: float(v) for k, v in (logs or {}).items()})
 
 
+@pytest.mark.full(
+    "tests/training/test_parity.py::test_tfscale_fit_matches_one_device_model_"
+    "fit[callback_methods_keys]",
+)
 def test_per_batch_logs_are_the_metrics_of_all_replicas_as_on_one_device() -> None:
     x, y = DATA
     logs = []
@@ -328,6 +342,10 @@ def test_no_strategy_given_uses_choose_strategy_over_every_device() -> None:
     assert relative_difference(model.get_weights(), reference.get_weights()) <= 1e-5
 
 
+@pytest.mark.full(
+    "tests/training/test_parity_examples.py::test_cases_across_two_worker_processes_"
+    "match_one_device[paths_across_workers]",
+)
 def test_unknown_length_data_ends_each_epoch_with_one_or_several_steps_per_call() -> None:
     # 250 examples in batches of 32: 8 batches, the last one of 26 split over 2 replicas;
     # filter() hides the length, so each epoch ends at the data's end. On one worker
@@ -374,6 +392,10 @@ def _record_thread(names: dict[int, str], key: int) -> None:
     names[key] = threading.current_thread().name
 
 
+@pytest.mark.full(
+    "tests/training/test_inputs.py::test_every_iterator_of_a_fit_is_destroyed_off_"
+    "the_callers_thread",
+)
 def test_one_distributed_iterator_serves_every_epoch_of_a_fit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -521,6 +543,10 @@ def test_fit_inputs_release_what_keras_dropped_when_the_next_comes_and_the_rest_
     assert destroyed_by == dict.fromkeys(["first", "second", "epochs"], RELEASE_THREAD)
 
 
+@pytest.mark.full(
+    "tests/training/test_inputs.py::test_an_array_fits_train_function_is_one_"
+    "function_without_partial_batch_conds",
+)
 def test_arrays_are_cut_per_replica_by_graph_ops_alone_as_tf_distribute_splits_them() -> None:
     """An array fit's input has no Python in it (no ``from_generator`` / ``py_function``:
     nothing waits on Python per batch), and on one worker it yields each replica's share of
@@ -644,8 +670,8 @@ _GENERATOR_INPUTS = [
 ]
 
 
-# `make test` runs each kind of input once and each one line once; the other two pairs in
-# `make test-full`.
+# `make test` runs a generator by prepare + model.fit; the other kind and line (the same
+# adapter into the same input plan) in `make test-full`.
 @pytest.mark.parametrize(
     ("kind", "how"),
     tiered(
@@ -653,6 +679,7 @@ _GENERATOR_INPUTS = [
         {
             "py_dataset-prepare": "generator-prepare",
             "generator-tfscale.fit": "py_dataset-tfscale.fit",
+            "py_dataset-tfscale.fit": "generator-prepare",
         },
         "tests/training/test_inputs.py::"
         "test_generator_inputs_leave_the_users_arrays_unchanged_and_train_as_one_device",

@@ -62,12 +62,11 @@ _FIT_TEST = "tests/training/test_kerashub.py::test_tfscale_fit_matches_one_devic
 _PREPARE_TEST = (
     "tests/training/test_kerashub.py::test_prepare_then_model_fit_matches_one_device_model_fit"
 )
-# The models whose own methods differ from Keras's fit (the preprocessor's fit, LoRA): make test
-# runs both of their lines with Adam, and their tfscale.fit with SGD too.
-_OWN_METHODS = ("bert_preprocessor_strings", "gpt2_lora_generate")
 # One model of each kind in `make test` (#41): a classifier with a boolean padding mask (BERT)
-# and a causal LM over token sequences (GPT-2), besides _OWN_METHODS. Each other model takes
-# its kind's fit, update and input paths: it runs in `make test-full`, naming its kind's case.
+# and a causal LM over token sequences (GPT-2) by tfscale.fit with Adam; of the models whose own
+# methods differ from Keras's fit, the preprocessor's (strings in) by tfscale.fit and LoRA's
+# (generate after the fit) by the other line, prepare + model.fit. Each other case takes its
+# kind's fit, update and input paths: it runs in `make test-full`, naming its kind's case.
 _KIND = {
     "bert_classifier": "bert_classifier",
     "vit_classifier": "bert_classifier",
@@ -79,26 +78,29 @@ _KIND = {
     "bert_preprocessor_strings": "bert_preprocessor_strings",
     "gpt2_lora_generate": "gpt2_lora_generate",
 }
+# The kinds `make test` trains by prepare + model.fit rather than by tfscale.fit (both lines
+# reach Keras's fit through the same prepared class).
+_PREPARED_KINDS = ("gpt2_lora_generate",)
 
 
 def _model(case: Case) -> str:
     return case.name.removesuffix("_sgd").removesuffix("_adam")
 
 
+def _kind_case(case: Case) -> str:
+    """The ``make test`` node id of the case's kind: its model of that kind with Adam, by
+    ``tfscale.fit`` or (:data:`_PREPARED_KINDS`) by ``prepare``. SGD differs from Adam only in
+    the optimizer's own step, which the parity suite's SGD cases cover on other models."""
+    kind = _KIND[_model(case)]
+    return f"{_PREPARE_TEST if kind in _PREPARED_KINDS else _FIT_TEST}[{kind}_adam]"
+
+
 def _fit_param(case: Case) -> Any:
-    """``make test`` runs one model of each kind by ``tfscale.fit`` with Adam, and with SGD
-    those of :data:`_OWN_METHODS`; every other case runs in ``make test-full``, naming its
-    kind's Adam case (the same fit and update path; SGD differs only in the optimizer's own
-    step, which the parity suite's SGD cases cover on other models)."""
-    model = _model(case)
-    if _KIND[model] == model and (case.name.endswith("_adam") or model in _OWN_METHODS):
+    """The case as ``tfscale.fit``'s: in ``make test`` where it is its kind's case, else in
+    ``make test-full``, naming it."""
+    if _kind_case(case) == f"{_FIT_TEST}[{case.name}]":
         return param(case)
-    return pytest.param(case, id=case.name, marks=pytest.mark.full(_adam_fit(case)))
-
-
-def _adam_fit(case: Case) -> str:
-    """The ``make test`` node id of the case's kind trained with Adam by ``tfscale.fit``."""
-    return f"{_FIT_TEST}[{_KIND[_model(case)]}_adam]"
+    return pytest.param(case, id=case.name, marks=pytest.mark.full(_kind_case(case)))
 
 
 @pytest.mark.parametrize("case", [_fit_param(case) for case in CASES])
@@ -107,17 +109,11 @@ def test_tfscale_fit_matches_one_device_model_fit(case: Case) -> None:
 
 
 def _prepared_param(case: Case) -> Any:
-    """``make test`` runs prepare + model.fit with Adam on the models whose own methods differ
-    (the preprocessor's fit, LoRA); the rest run in ``make test-full``, naming the model
-    kind's Adam case by ``tfscale.fit`` (both lines reach Keras's fit through the same
-    prepared class) and, for SGD, the same model's Adam case by ``prepare``."""
-    model = _model(case)
-    if model in _OWN_METHODS and case.name.endswith("_adam"):
+    """The case as prepare + model.fit's: in ``make test`` where it is its kind's case, else
+    in ``make test-full``, naming it."""
+    if _kind_case(case) == f"{_PREPARE_TEST}[{case.name}]":
         return param(case)
-    equivalents = [_adam_fit(case)]
-    if model in _OWN_METHODS:
-        equivalents.append(f"{_PREPARE_TEST}[{model}_adam]")
-    return pytest.param(case, id=case.name, marks=pytest.mark.full(*equivalents))
+    return pytest.param(case, id=case.name, marks=pytest.mark.full(_kind_case(case)))
 
 
 @pytest.mark.parametrize("case", [_prepared_param(case) for case in CASES])

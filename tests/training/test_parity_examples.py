@@ -20,6 +20,7 @@ TESTS = Path(__file__).resolve().parents[1]
 
 _TEST = "tests/training/test_parity_examples.py::test_tfscale_fit_matches_one_device_model_fit"
 _PARITY = "tests/training/test_parity.py::test_tfscale_fit_matches_one_device_model_fit"
+_KERAS_FEATURES = "tests/training/test_keras_features.py::"
 # As test_parity.FULL: each case below takes the path of the `make test` case it names and
 # runs in `make test-full` (and `make test-next`).
 FULL = {
@@ -27,20 +28,40 @@ FULL = {
     "bidirectional_gru_text_classification": "lstm_text_classification",
     "masked_token_loss": "masked_language_model_summed_loss",
     "mnist_convnet": "conv_autoencoder",
-    "auc_precision_recall_metrics": f"{_PARITY}[metric_tracking_weighted]",
-    "custom_metric_true_positives": f"{_PARITY}[metric_tracking_weighted]",
+    "auc_precision_recall_metrics": f"{_PARITY}[custom_compute_loss_with_x]",
+    "custom_metric_true_positives": f"{_PARITY}[custom_compute_loss_with_x]",
     "batchnorm_per_replica_statistics": "batchnorm_synchronized",
     "tf_data_seeded_shuffle_fixed_order": "tf_data_seeded_shuffle",
     "validation_freq": "tf_data_with_validation_dataset",
     "validation_batch_size": "tf_data_with_validation_dataset",
-    "mnist_mlp_validation_split": f"{_PARITY}[fit_with_val_split]",
+    "mnist_mlp_validation_split": f"{_PARITY}[fit_flow_arrays]",
     "loss_scale_optimizer_no_overflow": "loss_scale_optimizer_mixed_float16",
-    "transfer_learning_freeze_then_fine_tune": f"{_PARITY}[second_fit_continues]",
-    "initial_epoch": f"{_PARITY}[backup_and_restore_resume]",
+    "transfer_learning_freeze_then_fine_tune": f"{_PARITY}[fit_flow_arrays]",
+    "initial_epoch": f"{_PARITY}[callback_methods_keys]",
     "custom_train_step_sample_weight": "sample_weight",
     "steps_per_epoch_iterator_continues": f"{_PARITY}[python_generator]",
     "py_dataset": f"{_PARITY}[python_generator]",
     "gradient_accumulation_sgd": "gradient_accumulation_adam",
+    # One case of each feature stays in `make test` (#41), as in test_parity.FULL: mixed
+    # precision, a loss summed over the batch, sample and class weights, a random layer. The
+    # paths above that named one of these cases name their feature's case in turn.
+    "loss_scale_optimizer_mixed_float16": "mixed_bfloat16_policy",
+    "multi_input_multi_output_loss_weights": "sample_weight",
+    "transformer_block": "masked_language_model_summed_loss",
+    "lstm_text_classification": "masked_language_model_summed_loss",
+    "tf_data_seeded_shuffle": f"{_PARITY}[fit_flow_arrays]",
+    "tf_data_with_validation_dataset": f"{_PARITY}[fit_flow_arrays]",
+    "structured_data_preprocessing_layers": f"{_PARITY}[fit_flow_arrays]",
+    "conv_autoencoder": f"{_PARITY}[fit_flow_arrays]",
+    "vae_train_step_x_only": f"{_PARITY}[custom_compute_loss_with_x]",
+    "custom_compute_loss": f"{_PARITY}[custom_compute_loss_with_x]",
+    "gan_two_optimizers_no_call": f"{_PARITY}[multi_optimizer_in_loss_scale_optimizer]",
+    "endpoint_layer_add_loss": f"{_KERAS_FEATURES}test_step_and_loss_overrides_give_one_device_"
+    "weights_and_history[add_loss-of-a-Loss]",
+    "batchnorm_synchronized": f"{_KERAS_FEATURES}test_sync_batchnorm_normalizes_with_the_global_"
+    "batch_as_one_device",
+    "gradient_accumulation_adam": "tests/training/test_equivalence.py::"
+    "test_accumulating_k_micro_batches_equals_one_batch_of_k_times_b[2-adam]",
 }
 
 
@@ -65,11 +86,11 @@ MULTIWORKER_CASES = (
 # other sparse-aware optimizers (RMSprop, Adagrad, Nadam, Lion) share the embeddings' gather
 # and are each checked on 2 replicas in the test process (tests/training/test_sparse_updates.py).
 _IN_PROCESS = {
-    "loss_weights_dict_outputs": f"{_TEST}[multi_input_multi_output_loss_weights]",
-    "custom_compute_loss": f"{_TEST}[custom_compute_loss]",
+    "loss_weights_dict_outputs": f"{_TEST}[sample_weight]",
+    "custom_compute_loss": f"{_PARITY}[custom_compute_loss_with_x]",
     "class_weight": f"{_TEST}[class_weight]",
-    "early_stopping_min_delta": f"{_PARITY}[early_stopping_restore_best_weights]",
-    "gradient_accumulation_adam": f"{_TEST}[gradient_accumulation_adam]",
+    "early_stopping_min_delta": f"{_PARITY}[callback_methods_keys]",
+    "gradient_accumulation_adam": FULL["gradient_accumulation_adam"],
     "token_and_position_embedding_adamw": (
         "tests/training/test_sparse_updates.py::"
         "test_two_replicas_give_the_dense_gradients_update_of_one_device"

@@ -112,6 +112,10 @@ class _Events(keras.callbacks.Callback):  # type: ignore[misc]
         self.log.append(f"{self.name} ends")
 
 
+@pytest.mark.full(
+    "tests/training/test_threads.py::test_two_fits_sharing_one_strategy_give_their_"
+    "weights_alone_200_times",
+)
 def test_two_fits_sharing_one_strategy_run_one_after_the_other() -> None:
     """Two fits sharing a MirroredStrategy in two threads sometimes hung or trained to other
     weights (inside TensorFlow's runtime, see ``training/turns.py``): they take turns, and

@@ -126,22 +126,21 @@ def _data(name: str) -> tf.data.Dataset:
 
 
 _JIT_TEST = "tests/training/test_xla.py::test_jit_trains_to_the_weights_of_keras_one_device_jit"
-_OPTION_TEST = "tests/training/test_xla.py::test_compile_jit_compile_true_is_the_same_option"
 _PAIRS = [(replicas, name) for replicas in (0, 2) for name in MODELS]
 
 
-# `make test` compiles each kind of model but the recurrent one on 2 replicas; one device (the
-# same compiled step on one replica) and the recurrent model (its while loop, compiled as the
-# transformer's ops are) run in `make test-full`. test_compile_jit_compile_true_is_the_same_option
-# compiles a recurrent model on 2 replicas in `make test`.
+# `make test` compiles the convolutional model on 2 replicas; one device (the same compiled
+# step on one replica), the transformer and the recurrent model (their ops and while loop
+# reach the same compiled step) run in `make test-full`.
 @pytest.mark.parametrize(
     ("replicas", "name"),
     tiered(
         _PAIRS,
         {
             **{f"0-{name}": f"2-{name}" for name in MODELS if name != "lstm+gru"},
-            "0-lstm+gru": _OPTION_TEST,
-            "2-lstm+gru": _OPTION_TEST,
+            "0-lstm+gru": "2-conv",
+            "2-lstm+gru": "2-conv",
+            "2-transformer": "2-conv",
         },
         _JIT_TEST,
         ids=[f"{replicas}-{name}" for replicas, name in _PAIRS],
@@ -157,6 +156,9 @@ def test_jit_trains_to_the_weights_of_keras_one_device_jit(replicas: int, name: 
     assert np.isfinite(history.history["loss"]).all()
 
 
+@pytest.mark.full(
+    "tests/training/test_xla.py::test_jit_trains_to_the_weights_of_keras_one_device_jit[2-conv]",
+)
 def test_compile_jit_compile_true_is_the_same_option() -> None:
     strategy = strategy_for(2)
     with strategy.scope():
@@ -293,6 +295,9 @@ def _masked_tagger(strategy: tf.distribute.Strategy) -> Any:
     return model
 
 
+@pytest.mark.full(
+    "tests/training/test_xla.py::test_jit_trains_to_the_weights_of_keras_one_device_jit[2-conv]",
+)
 def test_a_masked_mean_under_jit_stays_each_replicas_own_as_under_keras() -> None:
     """Outside XLA a masked mean is made each replica's share of the batch's (an all-reduce
     of the unmasked tokens, tests/training/parity ``masked_token_loss``); inside the compiled

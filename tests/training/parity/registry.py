@@ -221,7 +221,7 @@ def tiered(case: Case, full: dict[str, str], test: str) -> Any:
 
     if case.name not in full:
         return param(case)
-    return param(case, full=(equivalent_id(full[case.name], test),))
+    return param(case, full=(equivalent_id(full[case.name], test, full),))
 
 
 def run_case(
