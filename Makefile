@@ -65,15 +65,16 @@ quick: venv
 # $(WORKERS) pytest processes, tests handed out one by one as a process frees up
 # (--dist loadgroup): TensorFlow starts once per process, and a module whose tests share a
 # module fixture (launched jobs, the Slurm cluster) says so with xdist_group and stays in one.
-# The `full` tests (more variants of what a `make test` test already covers: tests/README.md)
-# run in `make test-full`.
+# The `full` tests (other paths through a feature a `make test` test already trains:
+# tests/README.md) run in `make test-full`.
 unit: venv
 	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup -m "not full"
 
-# Everything `make test` leaves out (marked `full`, each naming its `make test` equivalent):
-# the other elastic inputs, seed scripts and 2-worker parity cases, the doctor docs' repeated
-# runs, and the cases of the parity suite, the KerasHub models and parametrized tests whose
-# path a `make test` case already takes (tests/README.md). `.ci/run` runs it after `make test`.
+# Everything `make test` leaves out (marked `full`, each naming the `make test` test of its
+# feature): the other elastic inputs, launched jobs and 2-worker parity cases, the docs' other
+# commands and blocks, and the cases of the parity suite, the KerasHub models, parametrized
+# tables and other tests whose feature a `make test` test already trains (tests/README.md).
+# `.ci/run` runs it after `make test`.
 test-full: venv
 	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup -m full
 

@@ -266,3 +266,20 @@ def test_a_full_test_without_a_make_test_equivalent_stops_the_session(
     suite = _suite(tmp_path, {"test_broken.py": tests})
     status, out = _pytest(suite, "-m", "not full")
     assert status != 0 and "test_broken.py::test_moved: " in out and says in out, out
+
+
+@pytest.mark.tf
+def test_a_tables_equivalent_that_moved_too_names_its_own_equivalent_in_turn() -> None:
+    """A ``tiered`` table may name a case that is ``full`` itself (a path whose feature's
+    test is another case): the marker names the case that ``make test`` runs, and a table
+    whose names go round is refused."""
+    from training.helpers import equivalent_id
+
+    test = "tests/training/test_x.py::test_x"
+    full = {"a": "b", "b": "c", "d": "tests/other.py::test_o"}
+    assert equivalent_id("b", test, full) == f"{test}[c]"
+    assert equivalent_id("a", test, full) == f"{test}[c]"
+    assert equivalent_id("d", test, full) == "tests/other.py::test_o"
+    assert equivalent_id("b", test) == f"{test}[b]"
+    with pytest.raises(ValueError, match="go round"):
+        equivalent_id("a", test, {"a": "b", "b": "a"})

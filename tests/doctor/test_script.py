@@ -33,6 +33,10 @@ def _line_of(path: Path, text: str) -> int:
 # run them: test_docs.py.
 
 
+@pytest.mark.full(
+    "tests/doctor/test_docs.py::test_documented_doctor_command_runs_as_"
+    "documented[doctor --script examples/train_outside_scope.py]",
+)
 def test_crashing_script_returns_its_status_and_stderr_tail(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -102,10 +102,10 @@ def _finish(job: _Job, deadline: float) -> None:
 
 
 # The `make test` tests that take the other jobs' paths (#41): a launched job of 2 workers
-# (the seed's, with its line added; tfscale.fit's 2 workers are test_multiworker's, launched
-# they are the elastic job's), a SIGKILLed worker's restart from the checkpoint (the elastic
-# job's, which restarts once before it drops the worker), a ParameterServer cluster's updates
-# (test_coordinator_train_step's in-process cluster).
+# (the seed's, with its line added; tfscale.fit's 2 workers are the parity suite's 2-worker
+# group's, launched they are the elastic job's), a SIGKILLed worker's restart from the
+# checkpoint (the elastic job's, which restarts once before it drops the worker), a
+# ParameterServer cluster's updates (test_coordinator_train_step's in-process cluster).
 _KERAS_JOB = (
     "tests/launch/test_jobs.py::test_keras_model_fit_under_multi_worker_trains_with_one_added_line"
 )
@@ -113,7 +113,10 @@ _ELASTIC_JOB = (
     "tests/launch/test_elastic_jobs.py::"
     "test_job_losing_worker_2_finishes_on_2_with_the_uninterrupted_weights[arrays]"
 )
-_MULTIWORKER = "tests/training/test_multiworker.py::test_two_workers_equal_mirrored_over_two_cpus"
+_WORKERS = (
+    "tests/training/test_parity_examples.py::"
+    "test_cases_across_two_worker_processes_match_one_device[paths_across_workers]"
+)
 _PS_CLUSTER = (
     "tests/training/test_coordinator_train_step.py::test_two_workers_metrics_count_every_step"
 )
@@ -194,7 +197,7 @@ def _load_script() -> ModuleType:
     return module
 
 
-@pytest.mark.full(_MULTIWORKER, _KERAS_JOB)
+@pytest.mark.full(_WORKERS, _KERAS_JOB)
 def test_two_workers_equal_mirrored_over_two_logical_cpus(
     jobs: dict[str, _Job], tmp_path: Path
 ) -> None:

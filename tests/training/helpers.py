@@ -223,7 +223,8 @@ def tiered(
     """``values`` (named ``ids``, by default the values themselves; a tuple holds one value
     per argument name) as ``test``'s parameters: those ``full`` maps run in ``make
     test-full`` (the ``full`` marker, tests/README.md), each naming its ``make test``
-    equivalent: another of ``ids``, or a whole node id."""
+    equivalent: another of ``ids`` (which may be in ``full`` too: its own equivalent, in
+    turn), or a whole node id."""
     import pytest
 
     params = []

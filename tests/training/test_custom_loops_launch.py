@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -39,34 +40,71 @@ def _weights(path: Path) -> list[np.ndarray]:
         return [data[f"arr_{i}"] for i in range(len(data.files))]
 
 
-def test_custom_loops_under_tfscale_launch_give_one_device_weights(tmp_path: Path) -> None:
-    done = launch(_JOB, [str(tmp_path)], timeout=240)
+def _one_device_batches_of_32(one: Any, x: np.ndarray, y: np.ndarray) -> list[np.ndarray]:
+    weights: list[np.ndarray] = convention_loop(one, None, x, y, "reduce_mean", batch=32)[0]
+    return weights
+
+
+# `make test` launches the TensorFlow tutorial's loop (a model without ``Input`` and Adam
+# built by the first replica step), the multi-worker tutorial's (a dataset from a function,
+# sharded by the input context), the users' loop with Adam built lazily inside
+# ``strategy.run``, and accumulation; the Keras guide's loop and the users' loop with SGD,
+# AdamW and a LossScaleOptimizer (the same prepared update, other optimizers' own steps) in
+# `make test-full`, in a second job (#41).
+_IN_MAKE_TEST = "tutorial,multi_worker,user_adam,accumulated"
+_OTHERS = "guide,user_sgd,user_adamw,user_lso"
+
+
+@pytest.mark.parametrize(
+    "loops",
+    [
+        pytest.param(_IN_MAKE_TEST, id="tutorials_adam_accumulated"),
+        pytest.param(
+            _OTHERS,
+            id="guide_and_other_optimizers",
+            marks=pytest.mark.full(
+                "tests/training/test_custom_loops_launch.py::"
+                "test_custom_loops_under_tfscale_launch_give_one_device_weights"
+                "[tutorials_adam_accumulated]"
+            ),
+        ),
+    ],
+)
+def test_custom_loops_under_tfscale_launch_give_one_device_weights(
+    tmp_path: Path, loops: str
+) -> None:
+    """Each launched loop's weights on both workers are one device's."""
+    done = launch(_JOB, [str(tmp_path), loops], timeout=240)
     assert "[worker 1] worker 1: custom loops done" in done.stdout
     x, y = DATA
     ix, iy = images(64)
     one = strategy_for(0)
     references = {
-        "tutorial": tutorial_loop(one, None, ix, iy),
+        "tutorial": lambda: tutorial_loop(one, None, ix, iy),
         # its last array is the optimizer's iterations: 8 on every worker
-        "multi_worker": multi_worker_loop(one, None, ix, iy),
-        "guide": guide_loop(one, None, x, y),
-        "user_sgd": user_loop(one, None, x[:96], y[:96], optimizer_name="sgd"),
-        "user_adam": user_loop(one, None, x[:96], y[:96], optimizer_name="adam"),
-        "user_adamw": user_loop(one, None, x[:96], y[:96], optimizer_name="adamw"),
-        "user_lso": user_loop(one, None, x[:96], y[:96], optimizer_name="lso"),
+        "multi_worker": lambda: multi_worker_loop(one, None, ix, iy),
+        "guide": lambda: guide_loop(one, None, x, y),
+        **{
+            f"user_{name}": lambda name=name: user_loop(
+                one, None, x[:96], y[:96], optimizer_name=name
+            )
+            for name in ("sgd", "adam", "adamw", "lso")
+        },
         # accumulation_steps=2 over batches of 16 == one device on batches of 32
-        "accumulated": convention_loop(one, None, x[:64], y[:64], "reduce_mean", batch=32)[0],
+        "accumulated": lambda: _one_device_batches_of_32(one, x[:64], y[:64]),
     }
-    for name, reference in references.items():
+    for name in loops.split(","):
+        reference = references[name]()
         for worker in range(2):
             got = _weights(tmp_path / f"{name}-{worker}.npz")
             worst = max(relative_difference([g], [w]) for g, w in zip(got, reference, strict=True))
             assert worst <= 1e-5, (name, worker, worst)
     for worker in range(2):
         report = json.loads((tmp_path / f"worker{worker}.json").read_text())
-        # 4 batches x 2 epochs, 2 per update: 4 updates, each one all-reduce.
         assert report["replicas"] == 2
-        assert (report["accumulated_updates"], report["accumulated_all_reduces"]) == (4, 4)
+        if "accumulated" in loops:
+            # 4 batches x 2 epochs, 2 per update: 4 updates, each one all-reduce.
+            assert (report["accumulated_updates"], report["accumulated_all_reduces"]) == (4, 4)
 
 
 _MIRRORED_CHILD = """
@@ -97,6 +135,7 @@ else:
 @pytest.mark.full(
     "tests/training/test_custom_loops_launch.py::"
     "test_custom_loops_under_tfscale_launch_give_one_device_weights"
+    "[tutorials_adam_accumulated]"
 )
 def test_the_tutorial_under_mirroreds_default_all_reduce_fails_unchanged_and_trains_prepared(
     tmp_path: Path,

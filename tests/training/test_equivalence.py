@@ -353,7 +353,8 @@ def test_unknown_gradient_compression_is_refused() -> None:
 @pytest.mark.full(
     "tests/training/test_steps_per_call.py::test_several_steps_per_call_give_one_"
     "devices_weights_history_and_updates[arrays]",
-    "tests/training/test_multiworker.py::test_two_workers_equal_mirrored_over_two_cpus",
+    "tests/training/test_parity_examples.py::"
+    "test_cases_across_two_worker_processes_match_one_device[paths_across_workers]",
 )
 def test_several_steps_per_call_under_mirroreds_default_collective_all_reduce() -> None:
     """Keras's own fit fails there with steps_per_execution > 1 ("You must feed a value for

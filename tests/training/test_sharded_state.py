@@ -369,11 +369,12 @@ with open(out + ".json", "w") as handle:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 # `make test` shards over 2 logical CPUs in-process (the same update and checkpoint) and runs
-# the update's collectives across 2 workers in test_multiworker.
+# the update's collectives across 2 workers in the parity suite's 2-worker group.
 @pytest.mark.full(
     "tests/training/test_sharded_state.py::"
     "test_checkpoint_on_two_sharded_replicas_restores_on_one_and_continues",
-    "tests/training/test_multiworker.py::test_two_workers_equal_mirrored_over_two_cpus",
+    "tests/training/test_parity_examples.py::"
+    "test_cases_across_two_worker_processes_match_one_device[paths_across_workers]",
 )
 def test_two_workers_sharded_equal_unsharded_and_their_checkpoint_resumes_on_one(
     tmp_path: Path,
