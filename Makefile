@@ -51,11 +51,11 @@ lint: venv
 check: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not tf and not multiprocess"
 
-# pytest processes for the suite's tiers: one more than this host's 2 cores. A quarter of the
-# suite's wall time is spent waiting on child processes (launched jobs' gRPC, the Slurm
-# cluster's daemons, workers' start-up), which a third process fills: `make unit` took 407 s
-# (703 CPU-s) with 3 against 451 s (688 CPU-s) with 2, same code, one after the other.
-WORKERS ?= 3
+# pytest processes for the suite's tiers: one per core of the 2-core hosts. A third process
+# fills the suite's waits on child processes, but the three then contend for the cores: from
+# fresh clones of the same commit, one after the other, `make test` took 5:08 and 497 CPU-s
+# with 3 against 5:24 and 447 CPU-s with 2 (#41 counts CPU-seconds).
+WORKERS ?= 2
 
 # The middle tier: everything but the slow tests (launched jobs, worker processes, the
 # parity suite, benchmarks' harness).
