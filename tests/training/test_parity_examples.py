@@ -82,7 +82,8 @@ MULTIWORKER_CASES = (
     "transformer_classifier_adam",
 )
 # The others take the same paths across workers as on 2 logical CPUs in the test process, where
-# `make test` runs each (its equivalent); `make test-full` runs them across workers too. The
+# `make test` runs each one's feature (its equivalent, as in FULL); `make test-full` runs them
+# in the test process and across workers. The
 # other sparse-aware optimizers (RMSprop, Adagrad, Nadam, Lion) share the embeddings' gather
 # and are each checked on 2 replicas in the test process (tests/training/test_sparse_updates.py).
 _IN_PROCESS = {
