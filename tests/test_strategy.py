@@ -361,7 +361,7 @@ print("RESULT " + json.dumps({"kind": choice.kind, "replicas": choice.num_replic
 # run's weights; this pair of children adds the ops and the declared devices.
 @pytest.mark.full(
     "tests/launch/test_elastic_jobs.py::"
-    "test_job_losing_worker_2_finishes_on_2_with_the_uninterrupted_weights[arrays]"
+    "test_job_losing_worker_2_finishes_on_2_with_the_uninterrupted_weights[arrays]",
 )
 def test_real_two_worker_multi_worker_mirrored() -> None:
     workers = [f"127.0.0.1:{port}" for port in free_ports(2)]

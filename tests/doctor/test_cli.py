@@ -21,8 +21,8 @@ _DOCTOR = "import sys; from tfscale.cli.main import main; sys.exit(main(sys.argv
 
 @pytest.mark.multiprocess
 @pytest.mark.full(
-    "tests/doctor/test_cli.py::test_doctor_finds_the_cpu_wheel_on_a_machine_whose_"
-    "driver_lists_four_h100",
+    "tests/doctor/test_cli.py::"
+    "test_doctor_finds_the_cpu_wheel_on_a_machine_whose_driver_lists_four_h100",
 )
 def test_doctor_json_in_a_fresh_process() -> None:
     # TF_CPP_MIN_LOG_LEVEL unset, as for a user: TensorFlow's start-up chatter stays off.
@@ -40,8 +40,8 @@ def test_doctor_json_in_a_fresh_process() -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.full(
-    "tests/doctor/test_cli.py::test_doctor_finds_the_cpu_wheel_on_a_machine_whose_"
-    "driver_lists_four_h100",
+    "tests/doctor/test_cli.py::"
+    "test_doctor_finds_the_cpu_wheel_on_a_machine_whose_driver_lists_four_h100",
 )
 def test_doctor_fails_on_a_broken_tf_config() -> None:
     broken = '{"cluster": {"worker": ["localhost:2222"]}, "task": {"type": "worker", "index": 3}}'

@@ -34,8 +34,9 @@ def _line_of(path: Path, text: str) -> int:
 
 
 @pytest.mark.full(
-    "tests/doctor/test_docs.py::test_documented_doctor_command_runs_as_"
-    "documented[doctor --script examples/train_outside_scope.py]",
+    "tests/doctor/test_docs.py::"
+    "test_documented_doctor_command_runs_as_documented"
+    "[doctor --script examples/train_outside_scope.py]",
 )
 def test_crashing_script_returns_its_status_and_stderr_tail(
     capsys: pytest.CaptureFixture[str],
@@ -106,8 +107,9 @@ def test_summarize_judges_only_scripts_with_a_multi_replica_strategy() -> None:
 
 
 @pytest.mark.full(
-    "tests/doctor/test_docs.py::test_documented_doctor_command_runs_as_"
-    "documented[doctor --script examples/train_outside_scope.py]",
+    "tests/doctor/test_docs.py::"
+    "test_documented_doctor_command_runs_as_documented"
+    "[doctor --script examples/train_outside_scope.py]",
 )
 def test_variables_moved_into_the_scope_by_tfscale_fit_are_no_problem(
     capsys: pytest.CaptureFixture[str],
@@ -162,8 +164,9 @@ def test_the_tables_fold_long_sites_instead_of_cutting_them() -> None:
 
 
 @pytest.mark.full(
-    "tests/doctor/test_docs.py::test_documented_doctor_command_runs_as_"
-    "documented[doctor --script examples/train_outside_scope.py]",
+    "tests/doctor/test_docs.py::"
+    "test_documented_doctor_command_runs_as_documented"
+    "[doctor --script examples/train_outside_scope.py]",
 )
 def test_model_fit_over_a_pydataset_under_mirrored_is_reported_unless_prepared(
     capsys: pytest.CaptureFixture[str],

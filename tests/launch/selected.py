@@ -1,6 +1,7 @@
-"""Which of a module's tests the session runs, for a module fixture that starts a job per test:
-``make test`` deselects the ``full`` variants (tests/README.md), whose jobs then are not
-started."""
+"""Which of a module's tests the session runs, for a module fixture that starts a job (or
+trains a case) per test: ``make test`` deselects the ``full`` variants (tests/README.md),
+whose jobs then are not started (the launched and elastic jobs here, the parameter-server
+cases of tests/training/test_coordinator_train_step.py)."""
 
 from __future__ import annotations
 

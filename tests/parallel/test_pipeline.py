@@ -193,8 +193,8 @@ def test_weights_move_to_their_stage_device_and_stay_shared(cpu_devices: list[st
 
 @pytest.mark.full(
     "tests/parallel/test_pipeline.py::test_keras_fit_gives_the_same_weights",
-    "tests/parallel/test_pipeline.py::test_a_tfscale_fit_of_a_pipeline_leaves_"
-    "nothing_it_traced_alive",
+    "tests/parallel/test_pipeline.py::"
+    "test_a_tfscale_fit_of_a_pipeline_leaves_nothing_it_traced_alive",
 )
 def test_tfscale_fit_trains_the_pipeline_to_the_unsplit_weights(cpu_devices: list[str]) -> None:
     x, y = data(seed=21, n=4 * BATCH)

@@ -204,8 +204,8 @@ def test_a_measured_step_all_reduces_in_the_compression_it_is_given() -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.full(
-    "tests/profiling/test_stragglers.py::test_profile_of_two_workers_names_the_one_"
-    "whose_input_sleeps",
+    "tests/profiling/test_stragglers.py::"
+    "test_profile_of_two_workers_names_the_one_whose_input_sleeps",
 )
 def test_workers_need_an_importable_model_and_report_a_failing_worker() -> None:
     from tfscale.errors import ProfileError

@@ -95,8 +95,8 @@ def test_a_script_that_failed_before_a_step_is_told_from_one_that_ran_none() -> 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.full(
-    "tests/profiling/test_stragglers.py::test_profile_of_two_workers_names_the_one_"
-    "whose_input_sleeps",
+    "tests/profiling/test_stragglers.py::"
+    "test_profile_of_two_workers_names_the_one_whose_input_sleeps",
 )
 def test_profile_of_workers_that_fail_shows_their_error(tmp_path: Path) -> None:
     # The workers' output goes to files; their error must reach the user, not "run it for

@@ -91,8 +91,8 @@ def test_a_model_trained_outside_the_scope_continues_its_optimizer(name: str) ->
 
 
 @pytest.mark.full(
-    "tests/training/test_adopt.py::test_model_built_outside_the_scope_trains_in_"
-    "place_and_keeps_its_optimizer",
+    "tests/training/test_adopt.py::"
+    "test_model_built_outside_the_scope_trains_in_place_and_keeps_its_optimizer",
 )
 def test_a_saved_and_loaded_model_continues_under_tfscale(tmp_path: Path) -> None:
     """TensorFlow's save-and-load tutorial: trained under a strategy, saved, loaded without
@@ -147,8 +147,8 @@ def test_a_loop_optimizer_stepped_outside_the_scope_continues_in_a_prepared_loop
 
 
 @pytest.mark.full(
-    "tests/training/test_adopt.py::test_a_model_trained_outside_the_scope_continues_"
-    "its_optimizer[adam]",
+    "tests/training/test_adopt.py::"
+    "test_a_model_trained_outside_the_scope_continues_its_optimizer[adam]",
 )
 def test_a_model_trained_on_one_strategy_continues_on_another() -> None:
     """Two replicas, then four (more devices, or an explicit strategy after the chosen one):

@@ -214,8 +214,8 @@ def test_a_contrastive_loss_over_gathered_embeddings_is_one_devices(
 
 
 @pytest.mark.full(
-    "tests/training/test_batchwide.py::test_a_contrastive_loss_over_gathered_"
-    "embeddings_is_one_devices[mean-local]",
+    "tests/training/test_batchwide.py::"
+    "test_a_contrastive_loss_over_gathered_embeddings_is_one_devices[mean-local]",
 )
 def test_without_the_gather_each_replica_compares_only_its_share() -> None:
     """keras-io's dual encoder unchanged: each replica's negatives are its own share of the

@@ -71,8 +71,8 @@ def _uninterrupted(folder: Path) -> Any:
 
 
 @pytest.mark.full(
-    "tests/training/test_checkpoint.py::test_crash_mid_epoch_resumes_from_the_last_"
-    "step_checkpoint[mid-run]",
+    "tests/training/test_checkpoint.py::"
+    "test_crash_mid_epoch_resumes_from_the_last_step_checkpoint[mid-run]",
 )
 def test_stopped_after_epoch_2_of_4_and_resumed_equals_uninterrupted(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
@@ -192,10 +192,10 @@ def test_crash_mid_epoch_resumes_from_the_last_step_checkpoint(
 
 
 @pytest.mark.full(
-    "tests/training/test_checkpoint.py::test_crash_mid_epoch_resumes_from_the_last_"
-    "step_checkpoint[mid-run]",
-    "tests/training/test_parity_examples.py::test_cases_across_two_worker_processes_"
-    "match_one_device[paths_across_workers]",
+    "tests/training/test_checkpoint.py::"
+    "test_crash_mid_epoch_resumes_from_the_last_step_checkpoint[mid-run]",
+    "tests/training/test_parity_examples.py::"
+    "test_cases_across_two_worker_processes_match_one_device[paths_across_workers]",
 )
 def test_resume_mid_epoch_with_an_input_of_unknown_length(tmp_path: Path) -> None:
     """A dataset whose length is unknown (a multi-worker dataset_fn's is hidden the same way):

@@ -226,15 +226,18 @@ _MOVED_IN = (
     "test_a_model_built_or_trained_outside_the_scope_moves_to_the_ps_and_continues[outside_scope-8]"
 )
 
+# The cases a test without a ``case`` parameter reads (as test_jobs' jobs by test).
+_NEEDS = {"test_history_carries_the_compiled_metrics": ("two_outputs",)}
+
 
 @pytest.fixture(scope="module")
 def trained(request: pytest.FixtureRequest) -> dict[str, Any]:
     """One device's fit and tfscale.fit on 1 ps + 1 worker, for each model the session's
-    tests read (with the history test, the two outputs')."""
+    tests read (their ``case``, or :data:`_NEEDS`)."""
     cases = selected_param(request, "case")
-    if any(item.originalname == "test_history_carries_the_compiled_metrics"
-           for item in selected_tests(request)):  # fmt: skip
-        cases.add("two_outputs")
+    cases |= {
+        case for item in selected_tests(request) for case in _NEEDS.get(item.originalname, ())
+    }
     done = run_python(_CHILD, args=[",".join(sorted(cases))], timeout=300)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULTS ")]
     assert done.returncode == 0 and lines, done.stderr[-3000:]

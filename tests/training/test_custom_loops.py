@@ -65,8 +65,8 @@ def test_the_multi_worker_tutorial_loop_with_one_line_gives_one_device_weights()
 
 
 @pytest.mark.full(
-    "tests/training/test_custom_loops.py::test_the_tutorial_loop_with_one_line_gives_"
-    "one_device_weights",
+    "tests/training/test_custom_loops.py::"
+    "test_the_tutorial_loop_with_one_line_gives_one_device_weights",
 )
 def test_the_dcgan_tutorial_loop_gives_one_device_weights_for_both_models() -> None:
     """Two prepared models and optimizers made outside any scope (the optimizers were built
@@ -86,8 +86,8 @@ def test_the_dcgan_tutorial_loop_gives_one_device_weights_for_both_models() -> N
 
 
 @pytest.mark.full(
-    "tests/training/test_custom_loops.py::test_the_keras_guides_eager_loop_with_one_"
-    "line_gives_one_device_weights",
+    "tests/training/test_custom_loops.py::"
+    "test_the_keras_guides_eager_loop_with_one_line_gives_one_device_weights",
 )
 def test_the_keras_guide_loop_with_one_line_gives_one_device_weights() -> None:
     x, y = DATA
@@ -310,8 +310,8 @@ def test_sparse_embedding_gradients_stay_sparse() -> None:
 
 
 @pytest.mark.full(
-    "tests/training/test_checkpoint.py::test_crash_mid_epoch_resumes_from_the_last_"
-    "step_checkpoint[mid-run]",
+    "tests/training/test_checkpoint.py::"
+    "test_crash_mid_epoch_resumes_from_the_last_step_checkpoint[mid-run]",
 )
 def test_a_checkpoint_of_a_prepared_loop_resumes_to_the_uninterrupted_weights(
     tmp_path: Path,

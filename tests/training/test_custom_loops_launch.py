@@ -134,8 +134,7 @@ else:
 # and the unchanged loop's failure there (TensorFlow's behaviour, which the docs quote).
 @pytest.mark.full(
     "tests/training/test_custom_loops_launch.py::"
-    "test_custom_loops_under_tfscale_launch_give_one_device_weights"
-    "[tutorials_adam_accumulated]"
+    "test_custom_loops_under_tfscale_launch_give_one_device_weights[tutorials_adam_accumulated]",
 )
 def test_the_tutorial_under_mirroreds_default_all_reduce_fails_unchanged_and_trains_prepared(
     tmp_path: Path,

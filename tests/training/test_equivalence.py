@@ -117,10 +117,10 @@ def test_exactly_one_gradient_all_reduce_per_update_with_k_4() -> None:
 
 
 @pytest.mark.full(
-    "tests/training/test_steps_per_call.py::test_several_steps_per_call_give_one_"
-    "devices_weights_history_and_updates[arrays]",
-    "tests/training/test_equivalence.py::test_remat_recomputes_the_forward_pass_in_"
-    "the_backward_pass",
+    "tests/training/test_steps_per_call.py::"
+    "test_several_steps_per_call_give_one_devices_weights_history_and_updates[arrays]",
+    "tests/training/test_equivalence.py::"
+    "test_remat_recomputes_the_forward_pass_in_the_backward_pass",
 )
 def test_steps_per_execution_remat_and_jit_change_nothing() -> None:
     x, y = DATA
@@ -140,7 +140,8 @@ def test_steps_per_execution_remat_and_jit_change_nothing() -> None:
 
 
 @pytest.mark.full(
-    "tests/training/test_equivalence.py::test_remat_recomputes_the_forward_pass_in_the_backward_pass"
+    "tests/training/test_equivalence.py::"
+    "test_remat_recomputes_the_forward_pass_in_the_backward_pass",
 )
 def test_remat_under_a_mixed_policy_gives_the_weights_without_remat() -> None:
     """Remat recomputes each layer's call in the backward pass, outside the layer's autocast
@@ -159,8 +160,9 @@ def test_remat_under_a_mixed_policy_gives_the_weights_without_remat() -> None:
 
 @pytest.mark.full(
     "tests/training/test_equivalence.py::test_replicas_give_the_weights_of_one_device[2-sgd]",
-    "tests/training/test_inputs.py::test_generator_inputs_leave_the_users_arrays_"
-    "unchanged_and_train_as_one_device[generator-prepare]",
+    "tests/training/test_inputs.py::"
+    "test_generator_inputs_leave_the_users_arrays_unchanged_and_train_as_one_device"
+    "[generator-prepare]",
 )
 def test_arrays_dataset_fn_and_batched_dataset_are_the_same_input() -> None:
     x, y = DATA
@@ -182,8 +184,8 @@ def test_arrays_dataset_fn_and_batched_dataset_are_the_same_input() -> None:
 
 
 @pytest.mark.full(
-    "tests/training/test_equivalence.py::test_a_global_batch_the_replicas_do_not_"
-    "divide_is_the_single_device_mean",
+    "tests/training/test_equivalence.py::"
+    "test_a_global_batch_the_replicas_do_not_divide_is_the_single_device_mean",
 )
 def test_a_short_last_batch_split_unevenly_is_still_the_single_device_mean() -> None:
     x, y = DATA
@@ -202,8 +204,8 @@ def _mean_of_batch(y: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
 
 
 @pytest.mark.full(
-    "tests/training/test_equivalence.py::test_a_global_batch_the_replicas_do_not_"
-    "divide_is_the_single_device_mean",
+    "tests/training/test_equivalence.py::"
+    "test_a_global_batch_the_replicas_do_not_divide_is_the_single_device_mean",
 )
 def test_replicas_left_without_examples_neither_stop_training_nor_poison_the_loss() -> None:
     x, y = DATA
@@ -314,8 +316,8 @@ def test_compressed_all_reduce_stays_close_to_float32(compression: str, toleranc
 
 
 @pytest.mark.full(
-    "tests/training/test_equivalence.py::test_compressed_all_reduce_stays_close_to_"
-    "float32[bf16-0.02]",
+    "tests/training/test_equivalence.py::"
+    "test_compressed_all_reduce_stays_close_to_float32[bf16-0.02]",
 )
 def test_each_step_function_keeps_its_own_communication_options() -> None:
     """Two trainers of one model (profiling's with and without the all-reduce) share the
@@ -351,8 +353,8 @@ def test_unknown_gradient_compression_is_refused() -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.full(
-    "tests/training/test_steps_per_call.py::test_several_steps_per_call_give_one_"
-    "devices_weights_history_and_updates[arrays]",
+    "tests/training/test_steps_per_call.py::"
+    "test_several_steps_per_call_give_one_devices_weights_history_and_updates[arrays]",
     "tests/training/test_parity_examples.py::"
     "test_cases_across_two_worker_processes_match_one_device[paths_across_workers]",
 )

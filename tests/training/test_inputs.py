@@ -90,8 +90,9 @@ def test_the_old_clipnorm_is_refused_naming_global_clipnorm_and_kerass_own() -> 
 
 
 @pytest.mark.full(
-    "tests/training/test_inputs.py::test_generator_inputs_leave_the_users_arrays_"
-    "unchanged_and_train_as_one_device[generator-prepare]",
+    "tests/training/test_inputs.py::"
+    "test_generator_inputs_leave_the_users_arrays_unchanged_and_train_as_one_device"
+    "[generator-prepare]",
 )
 def test_numpy_integers_are_taken_wherever_model_fit_takes_them() -> None:
     x, y = DATA
@@ -179,10 +180,10 @@ class _Protocol(keras.callbacks.Callback):
 
 
 @pytest.mark.full(
-    "tests/training/test_parity_examples.py::test_cases_across_two_worker_processes_"
-    "match_one_device[paths_across_workers]",
-    "tests/training/test_parity.py::test_tfscale_fit_matches_one_device_model_"
-    "fit[callback_methods_keys]",
+    "tests/training/test_parity_examples.py::"
+    "test_cases_across_two_worker_processes_match_one_device[paths_across_workers]",
+    "tests/training/test_parity.py::"
+    "test_tfscale_fit_matches_one_device_model_fit[callback_methods_keys]",
 )
 def test_keras_callbacks_and_distributed_validation(tmp_path: Path) -> None:
     x, y = DATA
@@ -234,8 +235,8 @@ class _BatchLogs(keras.callbacks.Callback):
 
 
 @pytest.mark.full(
-    "tests/training/test_parity.py::test_tfscale_fit_matches_one_device_model_"
-    "fit[callback_methods_keys]",
+    "tests/training/test_parity.py::"
+    "test_tfscale_fit_matches_one_device_model_fit[callback_methods_keys]",
 )
 def test_per_batch_logs_are_the_metrics_of_all_replicas_as_on_one_device() -> None:
     x, y = DATA
@@ -343,8 +344,8 @@ def test_no_strategy_given_uses_choose_strategy_over_every_device() -> None:
 
 
 @pytest.mark.full(
-    "tests/training/test_parity_examples.py::test_cases_across_two_worker_processes_"
-    "match_one_device[paths_across_workers]",
+    "tests/training/test_parity_examples.py::"
+    "test_cases_across_two_worker_processes_match_one_device[paths_across_workers]",
 )
 def test_unknown_length_data_ends_each_epoch_with_one_or_several_steps_per_call() -> None:
     # 250 examples in batches of 32: 8 batches, the last one of 26 split over 2 replicas;
@@ -393,8 +394,8 @@ def _record_thread(names: dict[int, str], key: int) -> None:
 
 
 @pytest.mark.full(
-    "tests/training/test_inputs.py::test_every_iterator_of_a_fit_is_destroyed_off_"
-    "the_callers_thread",
+    "tests/training/test_inputs.py::"
+    "test_every_iterator_of_a_fit_is_destroyed_off_the_callers_thread",
 )
 def test_one_distributed_iterator_serves_every_epoch_of_a_fit(
     monkeypatch: pytest.MonkeyPatch,
@@ -544,8 +545,8 @@ def test_fit_inputs_release_what_keras_dropped_when_the_next_comes_and_the_rest_
 
 
 @pytest.mark.full(
-    "tests/training/test_inputs.py::test_an_array_fits_train_function_is_one_"
-    "function_without_partial_batch_conds",
+    "tests/training/test_inputs.py::"
+    "test_an_array_fits_train_function_is_one_function_without_partial_batch_conds",
 )
 def test_arrays_are_cut_per_replica_by_graph_ops_alone_as_tf_distribute_splits_them() -> None:
     """An array fit's input has no Python in it (no ``from_generator`` / ``py_function``:

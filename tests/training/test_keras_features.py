@@ -216,8 +216,8 @@ def _has_xla_function(function: Any) -> bool:
 
 @pytest.mark.full(
     "tests/training/test_xla.py::test_jit_trains_to_the_weights_of_keras_one_device_jit[2-conv]",
-    "tests/training/test_steps_per_call.py::test_several_steps_per_call_give_one_"
-    "devices_weights_history_and_updates[arrays]",
+    "tests/training/test_steps_per_call.py::"
+    "test_several_steps_per_call_give_one_devices_weights_history_and_updates[arrays]",
 )
 def test_compile_options_jit_compile_and_steps_per_execution_are_honoured() -> None:
     x, y = _data(96)
@@ -255,8 +255,8 @@ class _StopAt(keras.callbacks.Callback):
 
 
 @pytest.mark.full(
-    "tests/training/test_checkpoint.py::test_crash_mid_epoch_resumes_from_the_last_"
-    "step_checkpoint[mid-run]",
+    "tests/training/test_checkpoint.py::"
+    "test_crash_mid_epoch_resumes_from_the_last_step_checkpoint[mid-run]",
 )
 def test_backup_and_restore_resumes_at_its_saved_epoch(tmp_path: Path) -> None:
     x, y = _data()
@@ -440,10 +440,10 @@ def _penalized_batchnorm(synchronized: bool = False) -> keras.Model:
 
 
 @pytest.mark.full(
-    "tests/training/test_keras_features.py::test_sync_batchnorm_normalizes_with_the_"
-    "global_batch_as_one_device",
-    "tests/training/test_custom_loops.py::test_added_losses_stay_each_replicas_own_"
-    "in_a_prepared_loop",
+    "tests/training/test_keras_features.py::"
+    "test_sync_batchnorm_normalizes_with_the_global_batch_as_one_device",
+    "tests/training/test_custom_loops.py::"
+    "test_added_losses_stay_each_replicas_own_in_a_prepared_loop",
 )
 def test_added_losses_stay_each_replicas_own_around_a_synchronized_batchnorm() -> None:
     """A layer's added losses are one list that MirroredStrategy's replica threads share, and
@@ -504,8 +504,8 @@ def test_embedding_gradients_stay_sparse_through_the_all_reduce() -> None:
 
 
 @pytest.mark.full(
-    "tests/training/test_kerashub.py::test_tfscale_fit_matches_one_device_model_"
-    "fit[gpt2_causal_lm_adam]",
+    "tests/training/test_kerashub.py::"
+    "test_tfscale_fit_matches_one_device_model_fit[gpt2_causal_lm_adam]",
 )
 def test_a_transformer_block_trains_with_gradients_of_unknown_static_shape() -> None:
     """Dense on (batch, time, features) inputs has a kernel gradient of static shape (None, n)."""
@@ -553,8 +553,9 @@ class _Batches16(keras.utils.PyDataset):  # type: ignore[misc]
 
 
 @pytest.mark.full(
-    "tests/training/test_inputs.py::test_generator_inputs_leave_the_users_arrays_"
-    "unchanged_and_train_as_one_device[generator-prepare]",
+    "tests/training/test_inputs.py::"
+    "test_generator_inputs_leave_the_users_arrays_unchanged_and_train_as_one_device"
+    "[generator-prepare]",
 )
 def test_generators_and_py_datasets_lose_no_batch() -> None:
     """Keras's own fit under a strategy reads one batch of a generator to build the model
@@ -586,8 +587,8 @@ def _masked_regressor() -> keras.Model:
 
 
 @pytest.mark.full(
-    "tests/training/test_kerashub.py::test_tfscale_fit_matches_one_device_model_"
-    "fit[bert_classifier_adam]",
+    "tests/training/test_kerashub.py::"
+    "test_tfscale_fit_matches_one_device_model_fit[bert_classifier_adam]",
 )
 def test_a_boolean_input_trains_as_one_device_where_keras_own_fit_fails() -> None:
     """Keras's own fit under a strategy averages the first batch over the replicas to build

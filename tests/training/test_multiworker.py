@@ -174,8 +174,8 @@ def _run_workers(tmp_path: Path, timeout: float = 240.0) -> list[dict[str, objec
 # (sharded arrays, validation, a dataset of unknown length, gathered sparse gradients) and
 # Keras's model.fit, prepared, across 2 launched workers; this pair adds the other claims.
 @pytest.mark.full(
-    "tests/training/test_parity_examples.py::test_cases_across_two_worker_processes_"
-    "match_one_device[paths_across_workers]",
+    "tests/training/test_parity_examples.py::"
+    "test_cases_across_two_worker_processes_match_one_device[paths_across_workers]",
     "tests/launch/test_jobs.py::test_keras_model_fit_under_multi_worker_trains_with_one_added_line",
 )
 def test_two_workers_equal_mirrored_over_two_cpus(tmp_path: Path) -> None:

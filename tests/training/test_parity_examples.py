@@ -56,10 +56,13 @@ FULL = {
     "vae_train_step_x_only": f"{_PARITY}[custom_compute_loss_with_x]",
     "custom_compute_loss": f"{_PARITY}[custom_compute_loss_with_x]",
     "gan_two_optimizers_no_call": f"{_PARITY}[multi_optimizer_in_loss_scale_optimizer]",
-    "endpoint_layer_add_loss": f"{_KERAS_FEATURES}test_step_and_loss_overrides_give_one_device_"
-    "weights_and_history[add_loss-of-a-Loss]",
-    "batchnorm_synchronized": f"{_KERAS_FEATURES}test_sync_batchnorm_normalizes_with_the_global_"
-    "batch_as_one_device",
+    "endpoint_layer_add_loss": (
+        f"{_KERAS_FEATURES}test_step_and_loss_overrides_give_one_device_weights_and_history"
+        "[add_loss-of-a-Loss]"
+    ),
+    "batchnorm_synchronized": (
+        f"{_KERAS_FEATURES}test_sync_batchnorm_normalizes_with_the_global_batch_as_one_device"
+    ),
     "gradient_accumulation_adam": "tests/training/test_equivalence.py::"
     "test_accumulating_k_micro_batches_equals_one_batch_of_k_times_b[2-adam]",
 }

@@ -98,8 +98,8 @@ def test_two_replicas_sharded_equal_unsharded_after_two_epochs(name: str) -> Non
 
 
 @pytest.mark.full(
-    "tests/training/test_sharded_state.py::test_two_replicas_sharded_equal_unsharded_"
-    "after_two_epochs[adam]",
+    "tests/training/test_sharded_state.py::"
+    "test_two_replicas_sharded_equal_unsharded_after_two_epochs[adam]",
 )
 def test_adam_slot_bytes_per_replica_are_half_and_on_each_replicas_device() -> None:
     strategy = strategy_for(2)
@@ -127,8 +127,8 @@ def test_adam_slot_bytes_per_replica_are_half_and_on_each_replicas_device() -> N
 
 
 @pytest.mark.full(
-    "tests/training/test_sharded_state.py::test_two_replicas_sharded_equal_unsharded_"
-    "after_two_epochs[adam]",
+    "tests/training/test_sharded_state.py::"
+    "test_two_replicas_sharded_equal_unsharded_after_two_epochs[adam]",
 )
 def test_three_replicas_pad_the_last_shard_and_still_equal_unsharded() -> None:
     # 3 does not divide the tiny MLP's sizes (48x16, 16, 16x16, 16x4, 4): padded shards.
@@ -251,8 +251,8 @@ def test_a_restore_before_the_build_fills_the_shards_when_they_are_made(tmp_path
 
 
 @pytest.mark.full(
-    "tests/training/test_sharded_state.py::test_checkpoint_on_two_sharded_replicas_"
-    "restores_on_one_and_continues",
+    "tests/training/test_sharded_state.py::"
+    "test_checkpoint_on_two_sharded_replicas_restores_on_one_and_continues",
 )
 def test_keras_weights_files_hold_the_whole_slots_both_ways(tmp_path: Path) -> None:
     """``model.save_weights`` of a sharded model loads into an unsharded one on 1 device, and
@@ -305,8 +305,8 @@ def _loop_weights(shard: bool) -> list[np.ndarray]:
 
 @pytest.mark.slow
 @pytest.mark.full(
-    "tests/training/test_sharded_state.py::test_two_replicas_sharded_equal_unsharded_"
-    "after_two_epochs[adam]",
+    "tests/training/test_sharded_state.py::"
+    "test_two_replicas_sharded_equal_unsharded_after_two_epochs[adam]",
 )
 def test_custom_loop_with_sharded_state_equals_unsharded() -> None:
     assert relative_difference(_loop_weights(True), _loop_weights(False)) <= 1e-6

@@ -229,8 +229,8 @@ def test_a_short_fit_runs_one_step_per_call() -> None:
 
 
 @pytest.mark.full(
-    "tests/training/test_steps_per_call.py::test_several_steps_per_call_give_one_"
-    "devices_weights_history_and_updates[arrays]",
+    "tests/training/test_steps_per_call.py::"
+    "test_several_steps_per_call_give_one_devices_weights_history_and_updates[arrays]",
 )
 def test_compiles_steps_per_execution_and_an_explicit_one_are_kept() -> None:
     x, y = _data(seed=15)

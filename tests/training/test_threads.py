@@ -113,8 +113,8 @@ class _Events(keras.callbacks.Callback):  # type: ignore[misc]
 
 
 @pytest.mark.full(
-    "tests/training/test_threads.py::test_two_fits_sharing_one_strategy_give_their_"
-    "weights_alone_200_times",
+    "tests/training/test_threads.py::"
+    "test_two_fits_sharing_one_strategy_give_their_weights_alone_200_times",
 )
 def test_two_fits_sharing_one_strategy_run_one_after_the_other() -> None:
     """Two fits sharing a MirroredStrategy in two threads sometimes hung or trained to other
