@@ -189,6 +189,13 @@ def _weights(path: Path) -> list[np.ndarray]:
         return [data[f"arr_{i}"] for i in range(len(data.files))]
 
 
+def _chatter(job: _Job) -> list[str]:
+    """The job's lines of TensorFlow's start-up chatter, oneDNN's notice included: a user's
+    job (TensorFlow's defaults, as ``_start`` runs it) shows none."""
+    lines = (job.stdout + job.stderr).splitlines()
+    return [line for line in lines if is_chatter(line) or "oneDNN" in line]
+
+
 def _load_script() -> ModuleType:
     spec = importlib.util.spec_from_file_location("mwms_train", _DATA / "mwms_train.py")
     assert spec is not None and spec.loader is not None
@@ -204,8 +211,7 @@ def test_two_workers_equal_mirrored_over_two_logical_cpus(
     job = jobs["plain"]
     assert job.process.returncode == 0, job.stderr[-3000:]
     assert "[worker 0] MultiWorkerMirrored with 2 replicas: done" in job.stdout
-    lines = (job.stdout + job.stderr).splitlines()
-    assert not [line for line in lines if is_chatter(line) or "oneDNN" in line]
+    assert _chatter(job) == []
     assert "[worker 1] MultiWorkerMirrored with 2 replicas: done" in job.stdout
     mirrored = mirrored_on_cpus(2)
     # With a checkpoint folder as the job has: the same per-epoch order of the shuffled arrays.
@@ -245,15 +251,10 @@ def test_keras_model_fit_under_multi_worker_trains_with_one_added_line(
     import tensorflow as tf
 
     job = jobs["keras"]
-    # Run with CUDA_VISIBLE_DEVICES=-1, which CUDA reads as "no GPU": the launcher trains on
-    # CPUs instead of refusing ("2 workers cannot each have their own GPU: 1 visible", as it
-    # did when it split on commas).
+    # Run with CUDA_VISIBLE_DEVICES=-1 (the fixture): trained on CPUs, not refused.
     assert job.process.returncode == 0, job.stderr[-3000:]
     assert job.stdout.count("model.fit over 2 replicas: done") == 2
-    # As for a user (TensorFlow's defaults): the workers' chatter, oneDNN's notice included,
-    # is dropped.
-    lines = (job.stdout + job.stderr).splitlines()
-    assert not [line for line in lines if is_chatter(line) or "oneDNN" in line]
+    assert _chatter(job) == []
     script = _load_script()
     spec = importlib.util.spec_from_file_location("keras_fit", _DATA / "keras_fit_train.py")
     assert spec is not None and spec.loader is not None
